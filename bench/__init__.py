@@ -1,0 +1,1 @@
+"""flowgrpo benchmarks: cost of rollout and training against their floors, as ratios."""

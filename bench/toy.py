@@ -1,0 +1,50 @@
+"""The embedded toy default: wall-clock and samples to reach the eval target, peak memory.
+
+Runs `python -m flowgrpo train` (the `make demo` job) in a subprocess and reads its
+metrics.jsonl; peak memory is the child's max resident set size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EVAL_TARGET = 0.9  # eval accuracy the demo must reach
+
+
+def bench_toy(*, quick: bool = False) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [f"run.output_dir={tmp}", "run.progress_bar=false", "run.tensorboard=false"]
+        if quick:
+            overrides += ["trainer.max_steps=2", "trainer.eval_every=1", "trainer.save_every=2"]
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *overrides],
+            check=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=subprocess.DEVNULL,
+        )
+        wall = time.perf_counter() - t0
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        rows = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    elapsed, reached = 0.0, None
+    for r in rows:
+        elapsed += float(r.get("time/step_s", 0.0))
+        if reached is None and r.get("eval/accuracy", 0.0) >= EVAL_TARGET and r["step"] > 0:
+            reached = {"step": r["step"], "train_s": elapsed, "samples": r.get("samples")}
+    return {
+        "wall_s": wall,
+        "peak_rss_mb": peak_mb,
+        "steps": rows[-1]["step"] if rows else 0,
+        "base_accuracy": evals[0]["eval/accuracy"] if evals else None,
+        "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "target_accuracy": EVAL_TARGET,
+        "reached_target": reached,
+    }

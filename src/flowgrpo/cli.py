@@ -1,0 +1,285 @@
+"""The ``flowgrpo`` command line.
+
+    flowgrpo train [PRESET] [KEY=VALUE ...]          train (default preset: toy-digits)
+    flowgrpo config show [PRESET] [KEY=VALUE ...]    print the effective config as YAML
+    flowgrpo config list                             list the shipped presets
+    flowgrpo sample [PRESET] [KEY=VALUE ...] --prompts TEXT ... --out DIR [--checkpoint PATH]
+    flowgrpo eval [PRESET] [KEY=VALUE ...] [--checkpoint PATH] [--prompt-file F]
+    flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH --out FILE
+    flowgrpo toy pretrain ...                        pretrain the toy generator
+    flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
+
+PRESET is a shipped preset name or a path to a YAML file. Heavy modules (torch, diffusers) are
+imported only by the command that runs, so ``--help`` is fast. Configuration and input errors
+print one line ``flowgrpo: error: ...`` and exit with code 2 (FLOWGRPO_TRACEBACK=1 re-raises).
+Multi-process: ``torchrun --nproc_per_node=N -m flowgrpo train ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from flowgrpo import __version__
+
+# flowgrpo.config is imported inside the handlers: it pulls in flowgrpo.engine (and torch).
+DEFAULT_PRESET = "toy-digits"
+CONFIG_ARGS_HELP = "[PRESET] [KEY=VALUE ...]"
+# subcommands owned by other modules: (module, function adding the parser, one-line help)
+LAZY_COMMANDS = {
+    "toy": ("flowgrpo.toy.pretrain", "add_toy_parser", "the built-in toy digits model"),
+    "reward-server": (
+        "flowgrpo.rewards.server",
+        "add_reward_server_parser",
+        "serve a registered reward over HTTP",
+    ),
+}
+_OVERRIDE_COMMANDS = ("train", "config", "sample", "eval", "export-lora")
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def split_config_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """[PRESET] [KEY=VALUE ...] -> (preset or None, overrides)."""
+    items = list(items)
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "config_args",
+        nargs="*",
+        metavar="[PRESET] [KEY=VALUE ...]",
+        help=f"preset name or YAML file (default {DEFAULT_PRESET}; see `flowgrpo config list`), "
+        "then dotted overrides such as trainer.max_steps=2 reward=ocr:1.0,jpeg_compressibility:0.1",
+    )
+
+
+def _checkpoint(text: str | None) -> str | None:
+    return None if text is None or text.lower() in ("none", "base", "") else text
+
+
+# -- handlers ----------------------------------------------------------------------------------
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from flowgrpo.config import config_to_yaml, load_config
+
+    preset, overrides = split_config_args(args.config_args)
+    if args.help:
+        print(args.parser.format_help())
+        cfg = load_config(preset, overrides, check_paths=False)
+        print(f"effective config (preset {cfg.preset!r}; every key is settable as KEY=VALUE):\n")
+        print(config_to_yaml(cfg), end="")
+        return 0
+    cfg = load_config(preset, overrides, command="train")
+    from flowgrpo.trainer.flow_grpo import run_training
+
+    run_training(cfg)
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from flowgrpo.config import config_to_yaml, load_config
+
+    preset, overrides = split_config_args(args.config_args)
+    cfg = load_config(preset, overrides, check_paths=args.check)
+    print(config_to_yaml(cfg), end="")
+    return 0
+
+
+def _cmd_config_list(args: argparse.Namespace) -> int:
+    from flowgrpo.config.loader import list_presets
+
+    for name in list_presets():
+        print(name + ("  (default)" if name == DEFAULT_PRESET else ""))
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from flowgrpo.config import ConfigError, load_config
+
+    preset, overrides = split_config_args(args.config_args)
+    if args.prompts:
+        prompts = list(args.prompts)
+    elif args.prompt_file:
+        from flowgrpo.data.prompts import load_prompts
+
+        prompts = load_prompts(args.prompt_file).prompts
+    else:
+        raise ConfigError("flowgrpo sample needs --prompts TEXT ... or --prompt-file FILE")
+    cfg = load_config(preset, overrides, command="sample")
+    from flowgrpo.trainer.flow_grpo import run_sample
+
+    paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out)
+    if _is_main_rank():
+        print(f"wrote {len(paths)} image(s) to {args.out}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from flowgrpo.config import load_config
+
+    preset, overrides = split_config_args(args.config_args)
+    if args.prompt_file:
+        overrides.append(f"data.eval_prompts={args.prompt_file}")
+    cfg = load_config(preset, overrides, command="eval")
+    from flowgrpo.trainer.flow_grpo import run_eval
+
+    metrics = run_eval(cfg, _checkpoint(args.checkpoint))
+    if _is_main_rank():
+        text = json.dumps(metrics, indent=2, sort_keys=True)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+def _cmd_export_lora(args: argparse.Namespace) -> int:
+    from flowgrpo.config import load_config
+
+    preset, overrides = split_config_args(args.config_args)
+    cfg = load_config(preset, overrides, command="export")
+    from flowgrpo.trainer.flow_grpo import run_export_lora
+
+    path = run_export_lora(cfg, args.checkpoint, args.out)
+    if _is_main_rank():
+        print(f"wrote LoRA weights to {path}")
+    return 0
+
+
+def _cmd_unavailable(args: argparse.Namespace) -> int:
+    raise ValueError(f"command {args.command!r} is unavailable: {args.unavailable}")
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def _first_command(argv: Sequence[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _add_lazy(sub: Any, name: str, wanted: str | None) -> None:
+    module, func, help_text = LAZY_COMMANDS[name]
+    if name == wanted:
+        try:
+            getattr(importlib.import_module(module), func)(sub)
+            return
+        except (ImportError, AttributeError) as e:
+            p = sub.add_parser(name, help=help_text, add_help=False)
+            p.set_defaults(func=_cmd_unavailable, unavailable=f"{type(e).__name__}: {e}")
+            return
+    sub.add_parser(name, help=help_text, add_help=False)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The argparse tree; the subcommands of other modules (LAZY_COMMANDS) are imported only
+    when ``argv`` selects them."""
+    parser = argparse.ArgumentParser(
+        prog="flowgrpo",
+        description="Flow-GRPO online RL for flow-matching text-to-image models.",
+        epilog="`flowgrpo train --help` prints the effective default config. "
+        "Docs: docs/training.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"flowgrpo {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "train",
+        help="train with Flow-GRPO (default preset: toy-digits)",
+        description="Train with Flow-GRPO. Outputs go to run.output_dir: metrics.jsonl, "
+        "checkpoints/step_<N>/, image grids, reward_curve.png. resume=auto continues from the "
+        "newest complete checkpoint. Multi-process: torchrun --nproc_per_node=N -m flowgrpo "
+        "train ...",
+        add_help=False,
+    )
+    p.add_argument("-h", "--help", action="store_true", help="show this help and the config")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_train, parser=p)
+
+    p = sub.add_parser("config", help="show the effective config or list presets")
+    csub = p.add_subparsers(dest="config_command", metavar="{show,list}", required=True)
+    q = csub.add_parser("show", help="print the effective config as YAML")
+    _add_config_args(q)
+    q.add_argument(
+        "--check", action="store_true", help="also check paths (model.path, prompt files)"
+    )
+    q.set_defaults(func=_cmd_config_show)
+    q = csub.add_parser("list", help="list the shipped presets")
+    q.set_defaults(func=_cmd_config_list)
+
+    p = sub.add_parser("sample", help="write PNGs for prompts from a checkpoint or base model")
+    _add_config_args(p)
+    p.add_argument("--checkpoint", default=None, help="checkpoint or run directory; none = base")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        metavar="TEXT",
+        help="prompts, one image each (put KEY=VALUE overrides before this option)",
+    )
+    p.add_argument("--prompt-file", metavar="FILE", help=".txt / .jsonl / .parquet of prompts")
+    p.add_argument("--out", default="samples", metavar="DIR", help="output folder (samples)")
+    p.set_defaults(func=_cmd_sample)
+
+    p = sub.add_parser("eval", help="eval reward of a checkpoint or base model")
+    _add_config_args(p)
+    p.add_argument("--checkpoint", default=None, help="checkpoint or run directory; none = base")
+    p.add_argument("--prompt-file", metavar="FILE", help="eval prompts (data.eval_prompts)")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the metrics as JSON")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("export-lora", help="write a diffusers-loadable LoRA from a checkpoint")
+    _add_config_args(p)
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
+    p.set_defaults(func=_cmd_export_lora)
+
+    wanted = _first_command(argv)
+    for name in LAZY_COMMANDS:
+        _add_lazy(sub, name, wanted)
+    return parser
+
+
+def _exit_code(e: SystemExit) -> int:
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (2 for configuration and input errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    try:
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # KEY=VALUE given after the options of a command
+            if args.command not in _OVERRIDE_COMMANDS or not hasattr(args, "config_args"):
+                parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            bad = [e for e in extras if e.startswith("-")]
+            if bad:
+                parser.error(f"unrecognized arguments: {' '.join(bad)}")
+            args.config_args = list(args.config_args) + extras
+    except SystemExit as e:
+        return _exit_code(e)
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+        if os.environ.get("FLOWGRPO_TRACEBACK"):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"flowgrpo: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flowgrpo: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["build_parser", "main", "split_config_args"]

@@ -1,0 +1,46 @@
+"""Run configuration: typed sections (schema.py), YAML presets (presets/*.yaml), ``key=value``
+overrides and validation. ``load_config(preset, overrides)`` is the entry point."""
+
+from flowgrpo.config.schema import (
+    DEFAULT_PRESET,
+    AdvantageConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RunConfig,
+    SampleConfig,
+    TrainConfig,
+    TrainerConfig,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    engine_config,
+    list_presets,
+    load_config,
+    preset_dict,
+    validate,
+)
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "AdvantageConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RunConfig",
+    "SampleConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "engine_config",
+    "list_presets",
+    "load_config",
+    "preset_dict",
+    "validate",
+]

@@ -1,0 +1,508 @@
+"""Build a ``Config`` from defaults + a YAML preset + ``key=value`` overrides, and back to YAML.
+
+Type checking follows the dataclass annotations: an int is accepted for a float, "1e-4" (a
+string to PyYAML) for a float, "none"/"null" for an optional field; nothing else is converted.
+A string field given a number keeps the override's text (``sample.negative_prompt=7``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from flowgrpo.config.schema import DEFAULT_PRESET, Config, ConfigError, RewardConfig
+
+ALIASES = {"resume": "trainer.resume"}  # contract 7: `flowgrpo train resume=auto`
+_NONE_TYPE = type(None)
+_MISSING = object()
+
+
+# -- keys and types ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a dataclass (works with ``from __future__ import annotations``)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+def _union_args(tp: Any) -> tuple | None:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return typing.get_args(tp)
+    return None
+
+
+def _is_dict_type(tp: Any) -> bool:
+    args = _union_args(tp)
+    return any(_is_dict_type(a) for a in args) if args else typing.get_origin(tp) is dict
+
+
+def _type_name(tp: Any) -> str:
+    args = _union_args(tp)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    if tp is _NONE_TYPE:
+        return "null"
+    if tp is Any:
+        return "any value"
+    if is_dataclass(tp):
+        return "a mapping"
+    origin, sub = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        return f"a list of {_type_name(sub[0])}" if sub else "a list"
+    if origin is tuple:
+        return f"a list of {len(sub)} {_type_name(sub[0])}" if sub else "a list"
+    if origin is dict:
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+@functools.cache
+def valid_keys() -> tuple[str, ...]:
+    """Every settable dotted key (sections and leaves), in declaration order."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in _hints(cls).items():
+            out.append(prefix + name)
+            if is_dataclass(tp):
+                walk(tp, prefix + name + ".")
+
+    walk(Config, "")
+    out += [f"reward.NAME.{f}" for f in _hints(RewardConfig)]
+    return tuple(out)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _suggest(key: str, candidates: Iterable[str]) -> str | None:
+    """The closest valid key: a unique one with the same last component, else difflib's."""
+    cands = [c for c in candidates if "NAME" not in c]
+    last = key.rsplit(".", 1)[-1]
+    same_leaf = [c for c in cands if c.rsplit(".", 1)[-1] == last and c != key]
+    if len(same_leaf) == 1:
+        return same_leaf[0]
+    close = difflib.get_close_matches(key, cands, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    close = difflib.get_close_matches(last, [c.rsplit(".", 1)[-1] for c in cands], 1, 0.75)
+    if close:
+        matches = [c for c in cands if c.rsplit(".", 1)[-1] == close[0]]
+        return matches[0] if len(matches) == 1 else None
+    return None
+
+
+def unknown_key(key: str, origin: str = "", candidates: Iterable[str] | None = None) -> ConfigError:
+    """ConfigError "unknown config key 'x' [in FILE] (did you mean 'y'?)"."""
+    where = f" in {origin}" if origin else ""
+    guess = _suggest(key, valid_keys() if candidates is None else candidates)
+    hint = f" (did you mean {guess!r}?)" if guess else " (see `flowgrpo config show`)"
+    return ConfigError(f"unknown config key {key!r}{where}{hint}")
+
+
+def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {_show(value)}")
+
+
+# -- coercion ----------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, tp: Any, key: str, current: Any = _MISSING, origin: str = "") -> Any:
+    """``value`` checked/converted to annotation ``tp``; dataclass sections merge a mapping
+    into ``current``. Raises ConfigError naming ``key``."""
+    if key == "reward":
+        return parse_rewards(value, key, origin)
+    args = _union_args(tp)
+    if args:
+        if _NONE_TYPE in args and (
+            value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        ):
+            return None
+        for sub in args:  # the first alternative that accepts the value wins
+            if sub is _NONE_TYPE:
+                continue
+            try:
+                return _coerce(value, sub, key, current, origin)
+            except ConfigError:
+                continue
+        raise _type_error(key, tp, value)
+    if tp is Any:
+        return value
+    if is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"config key {key!r} is a section: set its keys (e.g. "
+                f"{key}.{fields(tp)[0].name}=...) or give a mapping, got {_show(value)}"
+            )
+        obj = copy.deepcopy(current) if is_dataclass(current) else tp()
+        apply_mapping(obj, value, key + ".", origin)
+        return obj
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, tp, value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _type_error(key, tp, value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _type_error(key, tp, value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(key, tp, value)
+    origin_t, sub = typing.get_origin(tp), typing.get_args(tp)
+    if origin_t is list:
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, tp, value)
+        return [_coerce(v, sub[0], f"{key}[{i}]") if sub else v for i, v in enumerate(value)]
+    if origin_t is tuple:
+        if not isinstance(value, (list, tuple)) or (sub and len(value) != len(sub)):
+            raise _type_error(key, tp, value)
+        return tuple(_coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, sub)))
+    if origin_t is dict:
+        if not isinstance(value, Mapping):
+            raise _type_error(key, tp, value)
+        vt = sub[1] if sub else Any
+        return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    raise _type_error(key, tp, value)  # pragma: no cover - no other annotation is used
+
+
+def apply_mapping(obj: Any, mapping: Mapping, prefix: str = "", origin: str = "") -> None:
+    """Set ``obj``'s fields from a nested mapping (sections merge, leaves replace)."""
+    hints = _hints(type(obj))
+    for k, v in mapping.items():
+        here = f"{prefix}{k}"
+        if k not in hints:
+            local = [prefix + h for h in hints] if prefix.startswith("reward") else None
+            raise unknown_key(here, origin, local)
+        setattr(obj, k, _coerce(v, hints[k], here, getattr(obj, k), origin))
+
+
+# -- rewards -----------------------------------------------------------------------------------
+
+
+def _reward_from_str(text: str) -> RewardConfig:
+    """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5' -> RewardConfig."""
+    name, sep, weight = text.rpartition(":")
+    if sep and name:
+        try:
+            return RewardConfig(name=name.strip(), weight=float(weight))
+        except ValueError:
+            pass
+    return RewardConfig(name=text.strip())
+
+
+def parse_rewards(value: Any, key: str = "reward", origin: str = "") -> list[RewardConfig]:
+    """The reward list from ``"ocr:1.0,jpeg_compressibility:0.1"``, ``{"ocr": 1.0}``, a
+    mapping with ``name``, or a list of names / mappings / RewardConfigs."""
+    if isinstance(value, str):
+        items: list[Any] = [s for s in (p.strip() for p in value.split(",")) if s]
+    elif isinstance(value, Mapping) and "name" not in value:
+        items = [
+            {"name": k, **v} if isinstance(v, Mapping) else {"name": k, "weight": v}
+            for k, v in value.items()
+        ]
+    elif isinstance(value, (Mapping, RewardConfig)):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(
+            f"config key {key!r} expects reward names like 'ocr' or 'ocr:1.0,"
+            f"jpeg_compressibility:0.1' or a list of {{name, weight, options}}, got {_show(value)}"
+        )
+    out = []
+    for i, item in enumerate(items):
+        here = f"{key}[{i}]"
+        if isinstance(item, RewardConfig):
+            out.append(copy.deepcopy(item))
+        elif isinstance(item, str):
+            out.append(_reward_from_str(item))
+        elif isinstance(item, Mapping) and "name" not in item and len(item) == 1:
+            ((name, weight),) = item.items()
+            out.append(RewardConfig(name=str(name), weight=_coerce(weight, float, here)))
+        elif isinstance(item, Mapping):
+            if "name" not in item:
+                raise ConfigError(f"config key {here!r} needs a 'name', got {_show(dict(item))}")
+            rc = RewardConfig(name=str(item["name"]))
+            apply_mapping(rc, item, here + ".", origin)
+            out.append(rc)
+        else:
+            raise ConfigError(f"config key {here!r} expects a reward name or mapping, got {item!r}")
+    if not out:
+        raise ConfigError(f"config key {key!r} must name at least one reward")
+    return out
+
+
+def _select_reward(rewards: list[RewardConfig], sel: str) -> RewardConfig:
+    if sel.lstrip("-").isdigit():
+        i = int(sel)
+        if not 0 <= i < len(rewards):
+            raise ConfigError(
+                f"config key 'reward.{sel}': index out of range 0..{len(rewards) - 1}"
+            )
+        return rewards[i]
+    for r in rewards:
+        if sel in (r.name, r.alias):
+            return r
+    names = [r.alias or r.name for r in rewards]
+    raise ConfigError(
+        f"config key 'reward.{sel}': no reward {sel!r} in the reward list {names}; "
+        "set the list first, e.g. reward=ocr,jpeg_compressibility:0.1"
+    )
+
+
+# -- overrides ---------------------------------------------------------------------------------
+
+
+def _parse_value(raw: str) -> Any:
+    if not raw.strip():
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _admits_str(tp: Any) -> bool:
+    args = _union_args(tp)
+    return str in args if args else tp is str
+
+
+def apply_override(cfg: Config, text: str) -> None:
+    """Apply one ``dotted.key=value`` (value parsed as YAML) to ``cfg`` in place."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. trainer.max_steps=2)")
+    parts = ALIASES.get(key, key).split(".")
+    value = _parse_value(raw)
+    obj: Any = cfg
+    prefix, i = "", 0
+    while True:
+        name, last = parts[i], i == len(parts) - 1
+        hints = _hints(type(obj))
+        here = prefix + name
+        if name not in hints:
+            local = [prefix + h for h in hints] if prefix.startswith("reward.") else None
+            raise unknown_key(key if local is None else here, candidates=local)
+        tp, current = hints[name], getattr(obj, name)
+        if last:
+            if _admits_str(tp) and not isinstance(value, (str, list, dict, type(None))):
+                value = raw.strip()  # a string field keeps the text as typed
+            setattr(obj, name, _coerce(value, tp, here, current))
+            return
+        if is_dataclass(current):
+            obj, prefix, i = current, here + ".", i + 1
+        elif here == "reward":
+            sel = parts[i + 1]
+            obj, prefix, i = _select_reward(current, sel), f"reward.{sel}.", i + 2
+            if i == len(parts):
+                raise ConfigError(
+                    f"config key {key!r} names a reward, not a field: use {key}.weight=... "
+                    f"or {key}.options.KEY=..."
+                )
+        elif _is_dict_type(tp):
+            root = dict(current or {})
+            node = root
+            for p in parts[i + 1 : -1]:
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"config key {key!r}: {p!r} is not a mapping")
+            node[parts[-1]] = value
+            setattr(obj, name, _coerce(root, tp, here))
+            return
+        else:
+            raise unknown_key(key)
+
+
+# -- presets -----------------------------------------------------------------------------------
+
+
+def _preset_dir() -> Any:
+    return importlib.resources.files("flowgrpo.config") / "presets"
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets."""
+    return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, origin: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"cannot parse {origin}: {msg}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin} must hold a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def _deep_merge(base: dict, top: Mapping) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "reward":
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def preset_dict(name: str, _seen: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """(raw mapping, label) of a shipped preset name or a YAML file path. A file may start from
+    another preset with ``base: NAME_OR_PATH``."""
+    is_path = name.endswith((".yaml", ".yml")) or "/" in name or Path(name).is_file()
+    if is_path:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {name}")
+        data, label = _read_yaml(path.read_text(), str(path)), path.stem
+    else:
+        res = _preset_dir() / f"{name}.yaml"
+        if not res.is_file():
+            names = list_presets()
+            guess = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            raise ConfigError(
+                f"unknown preset {name!r} ({hint}available: {', '.join(names)}; "
+                "or give a path to a .yaml file)"
+            )
+        data, label = _read_yaml(res.read_text(), f"preset {name!r}"), name
+    base = data.pop("base", None)
+    if base is not None:
+        if name in _seen:
+            raise ConfigError(f"preset {name!r} inherits from itself via 'base'")
+        parent, _ = preset_dict(str(base), (*_seen, name))
+        data = _deep_merge(parent, data)
+    return data, label
+
+
+def resolve_defaults(cfg: Config) -> Config:
+    """Fill the derived values: ``eval_guidance_scale`` null -> ``guidance_scale``;
+    ``{preset}`` in ``run.output_dir`` -> the preset name."""
+    if cfg.sample.eval_guidance_scale is None:
+        cfg.sample.eval_guidance_scale = cfg.sample.guidance_scale
+    if "{preset}" in cfg.run.output_dir:
+        cfg.run.output_dir = cfg.run.output_dir.replace("{preset}", cfg.preset or "custom")
+    return cfg
+
+
+def load_config(
+    preset: str | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    check_paths: bool = True,
+    command: str = "train",
+) -> Config:
+    """Defaults <- preset (name or YAML path; default ``toy-digits``) <- overrides, validated.
+
+    ``check_paths=False`` skips the checks that need the files (model.path required/existing,
+    prompt files readable): ``flowgrpo config show`` and ``--help`` use it. ``command``
+    ("train", "eval", "sample", "export") limits those checks to what the command reads.
+    """
+    from flowgrpo.config.validate import validate
+
+    data, label = preset_dict(preset or DEFAULT_PRESET)
+    cfg = Config()
+    apply_mapping(cfg, data, "", label if Path(label).suffix else f"preset {label!r}")
+    if cfg.preset is None:
+        cfg.preset = label
+    for text in overrides:
+        apply_override(cfg, text)
+    resolve_defaults(cfg)
+    validate(cfg, check_paths=check_paths, command=command)
+    return cfg
+
+
+# -- back to plain data ------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists): YAML/JSON-able, and ``config_from_dict``'s input."""
+    return _plain(cfg)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, except lists of scalars and empty mappings stay on one line."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> Any:
+    flat = all(not isinstance(v, (list, dict)) for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+def _represent_dict(dumper: yaml.SafeDumper, data: dict) -> Any:
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=not data)
+
+
+_Dumper.add_representer(list, _represent_list)
+_Dumper.add_representer(dict, _represent_dict)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The effective config as YAML (round-trips through ``config_from_dict``)."""
+    return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def config_from_dict(data: Mapping[str, Any], *, validate: bool = False) -> Config:
+    """A Config from a (possibly partial) nested dict over the defaults; no preset applied."""
+    cfg = Config()
+    apply_mapping(cfg, data)
+    if validate:
+        from flowgrpo.config.validate import validate as _validate
+
+        _validate(cfg, check_paths=False)
+    return cfg
+
+
+__all__ = [
+    "ALIASES",
+    "apply_mapping",
+    "apply_override",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "list_presets",
+    "load_config",
+    "parse_rewards",
+    "preset_dict",
+    "resolve_defaults",
+    "unknown_key",
+    "valid_keys",
+]

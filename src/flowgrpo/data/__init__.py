@@ -1,0 +1,1 @@
+"""Prompt datasets, the K-repeat sampler and prompt-embedding padding utilities."""

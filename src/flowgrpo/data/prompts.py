@@ -1,0 +1,303 @@
+"""Prompt datasets and the distributed K-repeat sampler.
+
+Files: ``.txt`` (one prompt a line, blank lines skipped), ``.jsonl`` (a ``prompt`` field; every
+other field goes to the prompt's metadata dict, which rewards receive, e.g. an OCR target) and
+``.parquet`` (same columns; needs pyarrow). ``digit_prompts()`` is the toy's built-in set.
+
+``KRepeatSampler``: each step draws m prompts (epoch-wise shuffles without replacement), repeats
+each K times (a group), shuffles the m*K samples and gives rank r its contiguous slice. A step's
+draw is a pure function of (seed, step), so resuming only needs the step number.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_SALT_EPOCH = 0x0E90C4  # stream of the per-epoch prompt permutations
+_SALT_STEP = 0x57E9  # stream of the per-step sample shuffles
+_SALT_SPLIT = 0x5A117  # stream of the train/eval split
+
+
+@dataclass
+class PromptDataset:
+    """Prompts with one metadata dict each; ``source`` names where they came from."""
+
+    prompts: list[str]
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    source: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        if not self.metadata:
+            self.metadata = [{} for _ in self.prompts]
+        if len(self.metadata) != len(self.prompts):
+            raise ValueError(
+                f"{self.source}: {len(self.prompts)} prompts but {len(self.metadata)} metadata"
+            )
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> tuple[str, dict[str, Any]]:
+        return self.prompts[i], self.metadata[i]
+
+    def select(self, indices: Sequence[int]) -> tuple[list[str], list[dict[str, Any]]]:
+        """(prompts, metadata copies) at ``indices`` (repeats allowed)."""
+        return [self.prompts[i] for i in indices], [dict(self.metadata[i]) for i in indices]
+
+    def subset(self, indices: Sequence[int]) -> PromptDataset:
+        p, m = self.select(indices)
+        return PromptDataset(p, m, self.source)
+
+
+def digit_prompts() -> PromptDataset:
+    """The toy's prompts: "a handwritten 0" ... "a handwritten 9", metadata {"digit": d}."""
+    return PromptDataset(
+        [f"a handwritten {d}" for d in range(10)], [{"digit": d} for d in range(10)], "digits"
+    )
+
+
+def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptDataset:
+    """rows: (line or row number, record) -> dataset; errors name ``path`` and the number."""
+    prompts, meta = [], []
+    for n, row in rows:
+        where = f"{path}:{n}" if unit == "line" else f"{path} row {n}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object with a 'prompt' field")
+        if "prompt" not in row:
+            raise ValueError(f"{where}: missing 'prompt' field (has {sorted(row)[:8]})")
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+        prompts.append(prompt)
+        meta.append({k: v for k, v in row.items() if k != "prompt"})
+    return PromptDataset(prompts, meta, str(path))
+
+
+def _load_jsonl(path: Path) -> PromptDataset:
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+    return _from_records(rows, path, "line")
+
+
+def _load_parquet(path: Path) -> PromptDataset:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading .parquet needs pyarrow (pip install pyarrow), or convert it to .jsonl"
+        ) from None
+    return _from_records(list(enumerate(pq.read_table(path).to_pylist())), path, "row")
+
+
+def load_prompts(path: str | Path) -> PromptDataset:
+    """A PromptDataset from a .txt, .jsonl or .parquet file.
+
+    Raises FileNotFoundError for a missing file, ValueError (naming file and line) for an
+    empty file, a bad JSON line or a row without a ``prompt``.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    suffix = p.suffix.lower()
+    if suffix == ".txt":
+        lines = p.read_text(encoding="utf-8").splitlines()
+        ds = PromptDataset([s.strip() for s in lines if s.strip()], source=str(p))
+    elif suffix == ".jsonl":
+        ds = _load_jsonl(p)
+    elif suffix == ".parquet":
+        ds = _load_parquet(p)
+    else:
+        raise ValueError(f"unsupported prompt file {path}: use .txt, .jsonl or .parquet")
+    if not len(ds):
+        raise ValueError(f"prompt file {path} contains no prompts")
+    return ds
+
+
+def split_dataset(
+    ds: PromptDataset, eval_fraction: float, seed: int = 0
+) -> tuple[PromptDataset, PromptDataset]:
+    """(train, eval): a seeded random ``eval_fraction`` of the prompts held out (at least one,
+    and at least one left for training); fraction 0 gives (ds, ds)."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if eval_fraction == 0:
+        return ds, ds
+    if len(ds) < 2:
+        raise ValueError(f"{ds.source}: cannot split {len(ds)} prompt(s) into train and eval")
+    n_eval = min(len(ds) - 1, max(1, round(len(ds) * eval_fraction)))
+    perm = np.random.default_rng([seed, _SALT_SPLIT]).permutation(len(ds))
+    ev, tr = sorted(perm[:n_eval].tolist()), sorted(perm[n_eval:].tolist())
+    return ds.subset(tr), ds.subset(ev)
+
+
+def prompt_splits(data: Any, seed: int = 0) -> tuple[PromptDataset, PromptDataset]:
+    """(train, eval) datasets for a ``DataConfig``-like object (train_prompts, eval_prompts,
+    eval_fraction, eval_num_prompts). ``train_prompts`` None = the built-in digit prompts.
+    Eval: ``eval_prompts`` if given, else a held-out ``eval_fraction``, else the train
+    prompts; then the first ``eval_num_prompts`` (0 = all)."""
+    train = load_prompts(data.train_prompts) if data.train_prompts else digit_prompts()
+    if data.eval_prompts:
+        ev = load_prompts(data.eval_prompts)
+    else:
+        train, ev = split_dataset(train, float(data.eval_fraction or 0.0), seed)
+    n = int(getattr(data, "eval_num_prompts", 0) or 0)
+    if 0 < n < len(ev):
+        ev = ev.subset(range(n))
+    return train, ev
+
+
+def repeat_for_eval(ds: PromptDataset, samples_per_prompt: int) -> PromptDataset:
+    """Each eval prompt ``samples_per_prompt`` times in a row (fixed order: p0 p0 .. p1 p1 ..)."""
+    idx = [i for i in range(len(ds)) for _ in range(samples_per_prompt)]
+    return ds.subset(idx)
+
+
+class KRepeatSampler:
+    """m prompts x K samples per step, spread over ``world_size`` ranks.
+
+    ``step_samples(step)`` -> (indices, group_ids) for this rank: dataset indices of its
+    m*K/world_size samples and their group ids in [0, m) (the prompt's slot in the step, so a
+    prompt drawn twice in one step, possible only when m > num_prompts, forms two groups).
+    Prompts are drawn epoch by epoch: a seeded permutation of all prompts per epoch (identity
+    when ``shuffle=False``), m at a time (see ``step_prompts``). The m*K samples
+    are then shuffled with a step-seeded permutation, so a group's K samples spread over ranks.
+    The concatenation of all ranks' slices in rank order equals the 1-rank draw.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_step: int,
+        group_size: int,
+        world_size: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        if num_prompts < 1:
+            raise ValueError(f"KRepeatSampler needs at least one prompt, got {num_prompts}")
+        if prompts_per_step < 1 or group_size < 1:
+            raise ValueError(
+                f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, "
+                f"{group_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        total = prompts_per_step * group_size
+        if total % world_size:
+            raise ValueError(
+                f"sample.prompts_per_step * sample.group_size = {prompts_per_step} * "
+                f"{group_size} = {total} images per step must divide evenly over {world_size} "
+                "ranks"
+            )
+        self.num_prompts, self.m, self.k = num_prompts, prompts_per_step, group_size
+        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
+        self.per_rank = total // world_size
+        self.step = 0  # steps already drawn by next()
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    def _epoch_perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm_cache:
+            if len(self._perm_cache) > 4:
+                self._perm_cache.clear()
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, _SALT_EPOCH, epoch])
+                self._perm_cache[epoch] = rng.permutation(self.num_prompts)
+            else:
+                self._perm_cache[epoch] = np.arange(self.num_prompts)
+        return self._perm_cache[epoch]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole steps per pass over the prompts (0 when m > num_prompts)."""
+        return self.num_prompts // self.m
+
+    def step_prompts(self, step: int) -> list[int]:
+        """The m prompt indices of ``step`` (0-based), in group-id order: slice ``step`` of its
+        epoch's permutation (the last num_prompts mod m prompts of an epoch are dropped, so a
+        step never draws a prompt twice; the next epoch's reshuffle gives them their turn).
+        With m > num_prompts a step takes consecutive epochs' permutations end to end."""
+        spe = self.steps_per_epoch
+        if spe:
+            epoch, j = divmod(step, spe)
+            return self._epoch_perm(epoch)[j * self.m : (j + 1) * self.m].tolist()
+        out = []
+        for pos in range(step * self.m, (step + 1) * self.m):
+            epoch, offset = divmod(pos, self.num_prompts)
+            out.append(int(self._epoch_perm(epoch)[offset]))
+        return out
+
+    def global_step_samples(self, step: int) -> tuple[list[int], list[int]]:
+        """(indices, group_ids) of all m*K samples of ``step``, in global sample order."""
+        prompts = self.step_prompts(step)
+        groups = np.repeat(np.arange(self.m), self.k)
+        perm = np.random.default_rng([self.seed, _SALT_STEP, step]).permutation(groups.size)
+        groups = groups[perm]
+        return [prompts[g] for g in groups.tolist()], groups.tolist()
+
+    def step_samples(self, step: int) -> tuple[list[int], list[int]]:
+        """(indices, group_ids) of this rank's m*K/world_size samples of ``step``."""
+        idx, groups = self.global_step_samples(step)
+        lo = self.rank * self.per_rank
+        return idx[lo : lo + self.per_rank], groups[lo : lo + self.per_rank]
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch the first prompt of ``step`` belongs to."""
+        spe = self.steps_per_epoch
+        return step // spe if spe else step * self.m // self.num_prompts
+
+    def next(self) -> tuple[list[int], list[int]]:
+        """This rank's samples of the next step; advances ``self.step``."""
+        out = self.step_samples(self.step)
+        self.step += 1
+        return out
+
+    def __iter__(self) -> KRepeatSampler:
+        return self
+
+    def __next__(self) -> tuple[list[int], list[int]]:
+        return self.next()
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-able position; the draw itself depends only on (seed, step)."""
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "num_prompts": self.num_prompts,
+            "prompts_per_step": self.m,
+            "group_size": self.k,
+            "shuffle": int(self.shuffle),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` (world_size may differ; the draw must not)."""
+        mine = self.state_dict()
+        for key in ("seed", "num_prompts", "prompts_per_step", "group_size", "shuffle"):
+            if key in state and int(state[key]) != int(mine[key]):
+                raise ValueError(
+                    f"cannot resume the prompt sampler: {key} was {state[key]}, now {mine[key]}"
+                )
+        self.step = int(state["step"])
+
+
+__all__ = [
+    "KRepeatSampler",
+    "PromptDataset",
+    "digit_prompts",
+    "load_prompts",
+    "prompt_splits",
+    "repeat_for_eval",
+    "split_dataset",
+]

@@ -1,0 +1,219 @@
+"""Crash-safe, resharding checkpoints of a ``DiffusersFSDPEngine`` with torch.distributed.checkpoint.
+
+Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when complete):
+
+- DCP shards (``*.distcp`` + ``.metadata``): ``model`` (LoRA params only under LoRA, else all),
+  ``optim`` (AdamW state, keyed by param name), ``ema`` (EMA shadows, when enabled). DCP stores
+  them by global tensor, so a checkpoint written by W ranks loads into any world size.
+- ``engine_state.pt``: step counters, LR scheduler, the engine's shuffle-generator state.
+- ``rng/rank_<r>.pt``: python, numpy, torch (and CUDA) RNG states of every rank.
+- ``trainer_state.json``: the trainer's ``extra`` dict (rank 0).
+- ``meta.json``: world size, step, LoRA or full; ``COMPLETE``: written last, before the rename.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from flowgrpo.engine import dist as fdist
+from flowgrpo.engine.ema import EMA
+from flowgrpo.engine.fsdp import LRLambda
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _options(engine) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=engine.use_lora, strict=not engine.use_lora)
+
+
+def _dcp_state(engine) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if engine.ema is not None:
+        state["ema"] = engine.ema.state_dict(engine.param_names)
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_files(engine, tmp: Path, step: int, extra: dict | None) -> None:
+    """Everything but the DCP shards: per-rank RNG, and (rank 0) engine/trainer state."""
+    rank = engine.dist.rank
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if not engine.dist.is_main:
+        return
+    torch.save(
+        {
+            "step": engine.step,
+            "optimizer_steps": engine.optimizer_steps,
+            "consecutive_skips": engine.consecutive_skips,
+            "scheduler": engine.scheduler.state_dict(),
+            "generator": engine.generator.get_state(),
+        },
+        tmp / "engine_state.pt",
+    )
+    (tmp / "trainer_state.json").write_text(json.dumps(extra or {}, indent=2))
+    meta = {
+        "step": step,
+        "world_size": engine.dist.world_size,
+        "lora": engine.use_lora,
+        "ema": engine.ema is not None,
+        "time": time.time(),
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _write_marker(tmp: Path) -> None:
+    (tmp / MARKER).write_text("ok\n")
+
+
+def save_checkpoint(
+    engine,
+    root: str | Path,
+    step: int,
+    extra: dict | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save to ``<root>/step_<step>`` (collective). Writes ``step_<step>.tmp``, marks it
+    COMPLETE once every rank has written, then renames it; keeps the newest ``keep_last``
+    complete checkpoints (None/0 = all) and removes stale ``.tmp`` directories."""
+    root = Path(root)
+    try:
+        json.dumps(extra or {})
+    except TypeError as err:
+        raise TypeError(f"save_checkpoint extra must be JSON-serialisable: {err}") from None
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if engine.dist.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    fdist.barrier()
+    dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
+    _write_files(engine, tmp, step, extra)
+    fdist.barrier()
+    if engine.dist.is_main:
+        _write_marker(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _prune(root, keep_last)
+    fdist.barrier()
+    return final
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / MARKER).is_file():
+            out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def _prune(root: Path, keep_last: int | None) -> None:
+    for d in root.glob("step_*.tmp"):
+        shutil.rmtree(d, ignore_errors=True)
+    if keep_last:
+        for _, d in _complete_steps(root)[:-keep_last]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """Newest ``<root>/step_<N>`` that has the COMPLETE marker (``.tmp`` dirs never count)."""
+    steps = _complete_steps(Path(root))
+    return steps[-1][1] if steps else None
+
+
+def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
+    """Restore ``engine`` from a checkpoint directory, or from the newest complete one under a
+    root (collective). Works across world sizes. Returns (step, extra)."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint at or under {path}")
+        path = found
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["lora"] != engine.use_lora:
+        raise ValueError(
+            f"checkpoint {path} has lora={meta['lora']}, engine lora={engine.use_lora}"
+        )
+    state = _dcp_state(engine)
+    if meta["ema"] and "ema" not in state:
+        warnings.warn(f"{path} holds EMA weights but EMA is off: ignoring them", stacklevel=2)
+    if not meta["ema"]:
+        state.pop("ema", None)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        engine.model,
+        engine.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(engine),
+    )
+    if engine.ema is not None:
+        if "ema" in state:
+            engine.ema.load_state_dict(state["ema"], engine.param_names)
+        else:  # checkpoint without EMA: start the EMA from the loaded weights
+            engine.ema = EMA(engine.params, engine.ema.decay, engine.ema.update_every)
+    es = torch.load(path / "engine_state.pt", weights_only=False)
+    engine.step = es["step"]
+    engine.optimizer_steps = es["optimizer_steps"]
+    engine.consecutive_skips = es["consecutive_skips"]
+    engine.scheduler.load_state_dict(es["scheduler"])
+    o = engine.config.optim  # LambdaLR restores its lambda's fields: the current config wins
+    engine.scheduler.lr_lambdas[0] = LRLambda(o.lr_schedule, o.warmup_steps, o.total_steps)
+    engine.generator.set_state(es["generator"])
+    rng_file = path / "rng" / f"rank_{engine.dist.rank}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        warnings.warn(
+            f"{path} has no RNG state for rank {engine.dist.rank} (saved with world size "
+            f"{meta['world_size']}): reseeding from the engine seed",
+            stacklevel=2,
+        )
+        fdist.seed_everything(engine.config.seed + 1000 * engine.step, engine.dist.rank)
+    extra = json.loads((path / "trainer_state.json").read_text())
+    fdist.barrier()
+    return int(meta["step"]), extra
+
+
+__all__ = ["MARKER", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

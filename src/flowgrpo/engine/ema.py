@@ -1,0 +1,66 @@
+"""Exponential moving average of the trainable params, kept sharded like the params themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (an alias: in-place ops write through), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class EMA:
+    """shadow <- shadow + (1 - d_s) (param - shadow) after optimizer step s (0-based) when
+    (s + 1) % update_every == 0, with d_s = min((1 + s) / (10 + s), decay) (Flow-GRPO's
+    schedule). Shadows are clones of the (sharded) params, so DCP saves and reshards them."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int):
+        self.params = list(params)
+        self.decay = float(decay)
+        self.update_every = int(update_every)
+        with torch.no_grad():
+            self.shadow = [p.detach().clone() for p in self.params]
+
+    def decay_at(self, step: int) -> float:
+        return min((1 + step) / (10 + step), self.decay)
+
+    @torch.no_grad()
+    def update(self, step: int) -> bool:
+        """Apply the update for 0-based optimizer step ``step``; True if one was applied."""
+        if (step + 1) % self.update_every:
+            return False
+        weight = 1.0 - self.decay_at(step)
+        for e, p in zip(self.shadow, self.params, strict=True):
+            local(e).lerp_(local(p).to(e.dtype), weight)
+        return True
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Params hold the EMA values inside the block; the trained values come back after."""
+        with torch.no_grad():
+            saved = [local(p).clone() for p in self.params]
+            for e, p in zip(self.shadow, self.params, strict=True):
+                local(p).copy_(local(e))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for s, p in zip(saved, self.params, strict=True):
+                    local(p).copy_(s)
+
+    def state_dict(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return dict(zip(names, self.shadow, strict=True))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str]) -> None:
+        for name, e in zip(names, self.shadow, strict=True):
+            if state[name] is not e:
+                local(e).copy_(local(state[name]))
+
+
+__all__ = ["EMA", "local"]

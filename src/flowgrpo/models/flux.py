@@ -1,0 +1,187 @@
+"""Adapter for diffusers' ``FluxPipeline`` (FLUX.1-dev / -schnell style models).
+
+Mirrors ``FluxPipeline.__call__`` piece by piece:
+
+- prompts: ``pipe.encode_prompt``: T5 embeddings [B, L, D] (padded to ``max_sequence_length``,
+  no mask) and the CLIP pooled output [B, P]; text ids are zeros [L, 3];
+- latents: packed 2x2 patches [B, (h/2)(w/2), 4C] (``pipe._pack_latents``) with latent image
+  ids [(h/2)(w/2), 3];
+- schedule: sigmas = linspace(1, 1/N, N) with the dynamic shift ``mu = calculate_shift(packed
+  sequence length, ...)`` read from the scheduler config;
+- transformer input: ``timestep = (sigma * 1000) / 1000`` as the pipeline passes ``t / 1000``;
+  ``guidance = guidance_scale`` as an embedding when the transformer is guidance-distilled
+  (``guidance_embeds``): one forward, no negative branch;
+- optional "true CFG" (``true_cfg_scale > 1``): a negative-prompt branch combined as
+  ``v_neg + true_cfg_scale (v_pos - v_neg)``, independent of the distilled ``guidance_scale``;
+- decoding: unpack, ``/ scaling_factor + shift_factor``, ``vae.decode``, mapped to [0, 1].
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+
+
+def _param_dtype(module: torch.nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+class FluxAdapter(DiffusionAdapter):
+    """Drives a ``FluxPipeline``; see the module docstring for the exact mapping.
+
+    true_cfg_scale: the pipeline's ``true_cfg_scale`` (1 = off; > 1 runs a negative branch).
+    max_sequence_length: T5 tokens per prompt (the pipeline's default 512).
+    """
+
+    lora_target_modules = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "proj_mlp",
+        "proj_out",
+    )
+
+    def __init__(self, pipe: Any, *, true_cfg_scale: float = 1.0, max_sequence_length: int = 512):
+        super().__init__(pipe)
+        if true_cfg_scale < 1.0:
+            raise ValueError(f"true_cfg_scale must be >= 1 (1 = off), got {true_cfg_scale}")
+        if not 1 <= max_sequence_length <= 512:
+            raise ValueError(f"max_sequence_length must be in [1, 512], got {max_sequence_length}")
+        self.true_cfg_scale = float(true_cfg_scale)
+        self.max_sequence_length = max_sequence_length
+        cfg = pipe.transformer.config
+        self.num_channels_latents = int(cfg.in_channels) // 4
+        self.guidance_embeds = bool(cfg.guidance_embeds)
+        self.num_train_timesteps = int(pipe.scheduler.config.num_train_timesteps)
+
+    # -- guidance: the distilled scale is an input, true CFG is the only second branch ------------
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """A negative branch runs only for true CFG; ``guidance_scale`` is the distilled input."""
+        return self.true_cfg_scale > 1.0
+
+    def guide(
+        self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float
+    ) -> torch.Tensor:
+        """The pipeline's true CFG: v_neg + true_cfg_scale (v_pos - v_neg)."""
+        return v_uncond + self.true_cfg_scale * (v_cond - v_uncond)
+
+    # -- pieces of the pipeline -------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """embeds [B, max_sequence_length, joint_attention_dim], pooled [B, P]; no mask."""
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return PromptEmbeds(embeds, None, pooled)
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        """Unpacked latent (h, w) for an image of height x width pixels (both even)."""
+        f = self.pipe.vae_scale_factor * 2
+        return 2 * (int(height) // f), 2 * (int(width) // f)
+
+    def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
+        """linspace(1, 1/N, N) sigmas with the pipeline's dynamic shift (on a scheduler copy)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        conf = scheduler.config
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        if conf.get("use_flow_sigmas", False):
+            sigmas = None
+        h, w = self.latent_size(height, width)
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            conf.get("base_image_seq_len", 256),
+            conf.get("max_image_seq_len", 4096),
+            conf.get("base_shift", 0.5),
+            conf.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+        return Schedule(scheduler.sigmas.float(), timesteps.float())
+
+    def latents_dtype(self) -> torch.dtype:
+        """The pipeline draws noise in the prompt embeddings' dtype (T5's)."""
+        te = getattr(self.pipe, "text_encoder_2", None)
+        return te.dtype if te is not None else self.dtype
+
+    def prepare_latents(
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """Packed noise [B, (h/2)(w/2), 4C] drawn by the pipeline's own ``prepare_latents``."""
+        latents, _ = self.pipe.prepare_latents(
+            batch_size,
+            self.num_channels_latents,
+            height,
+            width,
+            self.latents_dtype(),
+            self.device,
+            generator,
+        )
+        return latents
+
+    def image_ids(self, height: int, width: int, device, dtype: torch.dtype) -> torch.Tensor:
+        """Latent image position ids [(h/2)(w/2), 3] as the pipeline builds them."""
+        h, w = self.latent_size(height, width)
+        return self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
+
+    def forward(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: PromptEmbeds,
+        *,
+        height: int,
+        width: int,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """Raw velocity [B, S, 4C] for packed latents; timestep = t / 1000 with t = 1000 sigma."""
+        dtype = _param_dtype(transformer)
+        device, batch = latents.device, latents.shape[0]
+        t = sigma.to(device=device, dtype=torch.float32) * self.num_train_timesteps
+        guidance = None
+        if self.guidance_embeds:
+            guidance = torch.full((batch,), float(guidance_scale), device=device)
+        text_ids = torch.zeros(embeds.embeds.shape[1], 3, device=device, dtype=embeds.embeds.dtype)
+        return transformer(
+            hidden_states=latents.to(dtype),
+            timestep=t.to(latents.dtype) / 1000,
+            guidance=guidance,
+            pooled_projections=embeds.pooled.to(dtype),
+            encoder_hidden_states=embeds.embeds.to(dtype),
+            txt_ids=text_ids,
+            img_ids=self.image_ids(height, width, device, latents.dtype),
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents -> images [B, 3, H, W] fp32 in [0, 1] on CPU."""
+        vae = self.pipe.vae
+        z = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+        z = z / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+__all__ = ["FluxAdapter"]

@@ -1,0 +1,94 @@
+"""Which adapter drives which diffusers pipeline, and loading pipelines from local directories.
+
+Adding a model family = one line in ``SUPPORTED_PIPELINES`` (pipeline class name -> adapter
+import path ``module:Class``). Adapters are imported lazily, so a missing optional family never
+breaks the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_PIPELINES: dict[str, str] = {
+    "QwenImagePipeline": "flowgrpo.models.qwen_image:QwenImageAdapter",
+    "StableDiffusion3Pipeline": "flowgrpo.models.sd3:SD3Adapter",
+    "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
+    "ToyDigitsPipeline": "flowgrpo.models.toy:ToyAdapter",
+}
+
+
+def _supported() -> str:
+    return ", ".join(SUPPORTED_PIPELINES)
+
+
+def resolve_adapter_path(pipeline_cls: type) -> str:
+    """The adapter import path for ``pipeline_cls`` (exact class name first, then its MRO)."""
+    for klass in pipeline_cls.__mro__:
+        if klass.__name__ in SUPPORTED_PIPELINES:
+            return SUPPORTED_PIPELINES[klass.__name__]
+    raise ValueError(
+        f"unsupported pipeline class {pipeline_cls.__name__!r}; supported: {_supported()}"
+    )
+
+
+def import_adapter(path: str) -> type:
+    """Import ``package.module:ClassName`` and return the class."""
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"adapter path {path!r} must look like 'package.module:ClassName'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def build_adapter(pipe: Any, **kwargs: Any) -> Any:
+    """Wrap ``pipe`` in the adapter for its class: ``AdapterClass(pipe, **kwargs)``."""
+    return import_adapter(resolve_adapter_path(type(pipe)))(pipe, **kwargs)
+
+
+def read_model_index(path: str | Path) -> dict[str, Any]:
+    """``model_index.json`` of a local diffusers directory, with clear errors for bad paths."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"model.path '{path}' does not exist")
+    index = root / "model_index.json"
+    if not root.is_dir() or not index.is_file():
+        raise ValueError(
+            f"model.path '{path}' is not a diffusers pipeline directory (no model_index.json)"
+        )
+    try:
+        index_data = json.loads(index.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"model.path '{path}': model_index.json is not valid JSON ({err})"
+        ) from err
+    if not isinstance(index_data, dict):
+        raise ValueError(f"model.path '{path}': model_index.json is not a JSON object")
+    return index_data
+
+
+def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -> Any:
+    """Load a supported diffusers pipeline from a local directory (never downloads).
+
+    The pipeline class named in ``model_index.json`` is checked before any weight is read.
+    A class diffusers does not ship (``ToyDigitsPipeline``) is taken from its adapter's module.
+    """
+    name = read_model_index(path).get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        raise ValueError(
+            f"model.path '{path}' holds an unsupported pipeline {name!r}; supported: {_supported()}"
+        )
+    import diffusers
+
+    # A pipeline class that diffusers does not ship (the toy) lives beside its adapter.
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        module = importlib.import_module(SUPPORTED_PIPELINES[name].partition(":")[0])
+        cls = getattr(module, name)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
+    return cls.from_pretrained(str(Path(path).expanduser()), **kwargs)

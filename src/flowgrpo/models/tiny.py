@@ -1,0 +1,460 @@
+"""Offline tiny random diffusers pipelines for tests, benchmarks and docs.
+
+``tiny_pipeline(kind)`` returns a REAL ``QwenImagePipeline``, ``StableDiffusion3Pipeline`` or
+``FluxPipeline`` whose every component (tokenizers included) is built in code from a seed:
+no hub, no download. Weights are random, so images are noise, but every code path of the
+real pipeline runs and shapes/semantics match the real models:
+
+- VAE scale factor 2 (a single downsampling) and patch size 2, so an image of H x W pixels has
+  (H/4) x (W/4) transformer tokens. Valid sizes: H and W divisible by 4 (``TINY_MULTIPLE``).
+  ``tiny_size(kind)`` gives a small non-square test size (32 x 48 -> 96 tokens); the benchmark
+  size is 128 x 128 (1024 tokens).
+- Schedulers carry the real models' scheduler configs (``SCHEDULER_CONFIGS``).
+- Qwen-Image: the Qwen2 BPE tokenizer encodes the pipeline's prompt-template prefix to exactly
+  34 tokens (the pipeline drops ``prompt_template_encode_start_idx = 34``).
+- SD3 mimics SD3.5-Medium (qk RMS-norm, a dual-attention first layer); FLUX mimics FLUX.1-dev
+  (``guidance_embeds=True``).
+
+Construction is deterministic per ``seed`` and leaves the global torch RNG untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+TINY_KINDS = ("qwen_image", "sd3", "flux")
+TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
+
+# The real models' scheduler/scheduler_config.json (num_train_timesteps=1000 for all).
+SCHEDULER_CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen-Image
+    "qwen_image": {
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 0.9,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 8192,
+        "shift_terminal": 0.02,
+        "time_shift_type": "exponential",
+    },
+    # stabilityai/stable-diffusion-3.5-medium (and SD3-medium)
+    "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
+    # black-forest-labs/FLUX.1-dev
+    "flux": {
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+    },
+}
+
+# Tiny transformer configs: 2 blocks (FLUX: 1 double + 1 single), 2 heads of 32 (inner dim 64).
+# One forward at 1024 image tokens, batch 4, 2 CPU threads: Qwen-Image ~40-50 ms (32-128 text
+# tokens), SD3 ~55-80 ms (77 + 128..256 T5 tokens), FLUX ~50-85 ms (128..512 T5 tokens).
+TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen_image": {
+        "patch_size": 2,
+        "in_channels": 16,  # 4 latent channels x 2x2 patch
+        "out_channels": 4,
+        "num_layers": 2,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,  # = text encoder hidden size
+        "guidance_embeds": False,
+        "axes_dims_rope": (8, 12, 12),  # sums to attention_head_dim
+    },
+    "sd3": {
+        "sample_size": 32,
+        "patch_size": 2,
+        "in_channels": 4,
+        "num_layers": 2,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 64,  # = T5 d_model (>= 16 + 32 CLIP hidden sizes)
+        "caption_projection_dim": 64,  # = inner dim
+        "pooled_projection_dim": 48,  # = 16 + 32 CLIP projection dims
+        "out_channels": 4,
+        "pos_embed_max_size": 64,  # latent side up to 128 -> images up to 256 px
+        "dual_attention_layers": (0,),
+        "qk_norm": "rms_norm",
+    },
+    "flux": {
+        "patch_size": 1,
+        "in_channels": 16,  # 4 latent channels x 2x2 packing
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,  # = T5 d_model
+        "pooled_projection_dim": 32,  # = CLIP hidden size (pooler_output)
+        "guidance_embeds": True,
+        "axes_dims_rope": (8, 12, 12),
+    },
+}
+
+# Words the tokenizers know whole; anything else falls back to smaller pieces.
+_WORDS = (
+    "a an the of in on at with and or to is are photo picture image painting drawing render "
+    "cat dog bird fish horse cow car bus train boat plane house tree flower sky sea mountain "
+    "city street road river sun moon star cloud rain snow red green blue yellow black white "
+    "orange purple pink brown gray big small tall short old new happy sad cube sphere box "
+    "sign text word letter number says saying hello world holding wearing standing sitting "
+    "man woman person child people table chair cup book clock one two three four five six "
+    "seven eight nine ten left right top bottom front behind next beautiful detailed style"
+).split()
+
+
+def _corpus() -> list[str]:
+    text = " ".join(_WORDS)  # each word with and without a leading space
+    return [
+        text,
+        " " + text,
+        " ".join(w.capitalize() for w in _WORDS),
+        "0 1 2 3 4 5 6 7 8 9 , . ! ? :",
+    ]
+
+
+@functools.cache
+def _train_bpe(words: tuple[str, ...], suffix: str = "") -> tuple[tuple[str, str], ...]:
+    """Deterministic BPE merges (ties broken lexicographically) until every word is one token.
+
+    ``words`` are pre-tokenized (byte-level mapped) pieces; ``suffix`` marks a word's last
+    symbol (CLIP's ``</w>``). The tokenizers library trainer is not deterministic across runs
+    on ties, hence this small trainer (cached: ~0.1 s per call).
+    """
+    counts: dict[tuple[str, ...], int] = {}
+    for w in words:
+        symbols = tuple(w[:-1]) + (w[-1] + suffix,)
+        counts[symbols] = counts.get(symbols, 0) + 1
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: dict[tuple[str, str], int] = {}
+        for symbols, n in counts.items():
+            for pair in zip(symbols[:-1], symbols[1:]):
+                pairs[pair] = pairs.get(pair, 0) + n
+        if not pairs:
+            return tuple(merges)
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        merged: dict[tuple[str, ...], int] = {}
+        for symbols, n in counts.items():
+            out, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(symbols[i] + symbols[i + 1])
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        counts = merged
+
+
+def _bpe_vocab(specials: list[str], alphabet: list[str], merges) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for token in [*specials, *alphabet, *(a + b for a, b in merges)]:
+        vocab.setdefault(token, len(vocab))
+    return vocab
+
+
+def _qwen_tokenizer():
+    """Qwen2 byte-level BPE trained in code, with the Qwen chat special tokens."""
+    import re
+
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(specials)}, merges=[])
+    pre = tok.backend_tokenizer.pre_tokenizer  # Qwen's regex split + byte-level mapping
+    texts = [p for p in re.split(r"<\|im_start\|>|<\|im_end\|>|\{\}", _QWEN_TEMPLATE) if p]
+    words = [w for t in texts + _corpus() for w, _ in pre.pre_tokenize_str(t)]
+    merges = list(_train_bpe(tuple(words)))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return Qwen2Tokenizer(
+        vocab=_bpe_vocab(specials, alphabet, merges),
+        merges=merges,
+        extra_special_tokens=specials[1:],
+        model_max_length=32768,
+    )
+
+
+_QWEN_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _clip_tokenizer():
+    """CLIP byte-level BPE (``</w>`` word ends) trained in code; model_max_length 77."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    specials = ["<|startoftext|>", "<|endoftext|>"]
+    tok = CLIPTokenizer(vocab={s: i for i, s in enumerate(specials)}, merges=[])
+    norm, pre = tok.backend_tokenizer.normalizer, tok.backend_tokenizer.pre_tokenizer
+    words = [w for t in _corpus() for w, _ in pre.pre_tokenize_str(norm.normalize_str(t))]
+    merges = list(_train_bpe(tuple(words), suffix="</w>"))
+    bytes_ = sorted(pre_tokenizers.ByteLevel.alphabet())
+    alphabet = bytes_ + [b + "</w>" for b in bytes_]  # any byte may end a word
+    return CLIPTokenizer(
+        vocab=_bpe_vocab(specials, alphabet, merges), merges=merges, model_max_length=77
+    )
+
+
+def _t5_tokenizer():
+    """T5 unigram tokenizer from an in-code vocab (<pad>=0, </s>=1, <unk>=2, no sentinels)."""
+    from transformers import T5Tokenizer
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    chars = string.ascii_letters + string.digits + string.punctuation
+    vocab += [(c, -6.0) for c in chars] + [("\u2581" + c, -5.0) for c in chars]
+    seen = {p for p, _ in vocab}
+    vocab += [("\u2581" + w, -3.0) for w in dict.fromkeys(_WORDS) if "\u2581" + w not in seen]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+def _clip_text(cls, tok, hidden: int, proj: int | None):
+    from transformers import CLIPTextConfig
+
+    cfg = CLIPTextConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=proj or hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        hidden_act="gelu",
+    )
+    return cls(cfg)
+
+
+def _t5_encoder(tok, d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(
+        vocab_size=len(tok),
+        d_model=d_model,
+        d_kv=d_model // 2,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    return T5EncoderModel(cfg)
+
+
+def _kl_vae(shift: float, scale: float):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        scaling_factor=scale,
+        shift_factor=shift,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+
+
+def _build_qwen_image(tcfg: dict[str, Any], seeds) -> Any:
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = _qwen_tokenizer()
+    hidden = tcfg["joint_attention_dim"]
+    half = hidden // 4  # head_dim / 2 with 2 heads; M-RoPE sections (t, h, w) must sum to it
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    torch.manual_seed(next(seeds))
+    text_cfg = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tok) + 4,  # + 4 vision placeholder ids the tokenizer never emits
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"mrope_section": mrope, "rope_type": "default"},
+            "rope_theta": 1000000.0,
+            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tok.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=len(tok),
+        video_token_id=len(tok) + 1,
+        vision_start_token_id=len(tok) + 2,
+        vision_end_token_id=len(tok) + 3,
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(text_cfg)
+    torch.manual_seed(next(seeds))
+    vae = AutoencoderKLQwenImage(
+        base_dim=16,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[-0.2, 0.1, 0.0, 0.3],
+        latents_std=[1.5, 2.0, 2.5, 3.0],
+    )
+    torch.manual_seed(next(seeds))
+    transformer = QwenImageTransformer2DModel(**tcfg)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["qwen_image"])
+    pipe = QwenImagePipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+    )
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    n = len(tok(prefix).input_ids)
+    if n != pipe.prompt_template_encode_start_idx:
+        raise RuntimeError(
+            f"tiny Qwen tokenizer encodes the prompt-template prefix to {n} tokens, "
+            f"the pipeline drops {pipe.prompt_template_encode_start_idx}"
+        )
+    return pipe
+
+
+def _build_sd3(tcfg: dict[str, Any], seeds) -> Any:
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection
+
+    tok1, tok2, tok3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+    torch.manual_seed(next(seeds))
+    te1 = _clip_text(CLIPTextModelWithProjection, tok1, hidden=16, proj=16)
+    torch.manual_seed(next(seeds))
+    te2 = _clip_text(CLIPTextModelWithProjection, tok2, hidden=32, proj=32)
+    torch.manual_seed(next(seeds))
+    te3 = _t5_encoder(tok3, d_model=tcfg["joint_attention_dim"])
+    torch.manual_seed(next(seeds))
+    vae = _kl_vae(shift=0.0609, scale=1.5305)  # SD3/SD3.5 VAE factors
+    torch.manual_seed(next(seeds))
+    transformer = SD3Transformer2DModel(**tcfg)
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["sd3"]),
+        vae=vae,
+        text_encoder=te1,
+        tokenizer=tok1,
+        text_encoder_2=te2,
+        tokenizer_2=tok2,
+        text_encoder_3=te3,
+        tokenizer_3=tok3,
+    )
+
+
+def _build_flux(tcfg: dict[str, Any], seeds) -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    tok1, tok2 = _clip_tokenizer(), _t5_tokenizer()
+    torch.manual_seed(next(seeds))
+    te1 = _clip_text(CLIPTextModel, tok1, hidden=tcfg["pooled_projection_dim"], proj=None)
+    torch.manual_seed(next(seeds))
+    te2 = _t5_encoder(tok2, d_model=tcfg["joint_attention_dim"])
+    torch.manual_seed(next(seeds))
+    vae = _kl_vae(shift=0.1159, scale=0.3611)  # FLUX.1 VAE factors
+    torch.manual_seed(next(seeds))
+    transformer = FluxTransformer2DModel(**tcfg)
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["flux"]),
+        vae=vae,
+        text_encoder=te1,
+        tokenizer=tok1,
+        text_encoder_2=te2,
+        tokenizer_2=tok2,
+        transformer=transformer,
+    )
+
+
+_BUILDERS = {"qwen_image": _build_qwen_image, "sd3": _build_sd3, "flux": _build_flux}
+
+
+def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
+    """A real diffusers pipeline of family ``kind`` with tiny random weights, built offline.
+
+    ``overrides`` replace entries of the transformer config (``TRANSFORMER_CONFIGS[kind]``),
+    e.g. ``num_layers=1``; text encoders follow ``joint_attention_dim``/``pooled_projection_dim``.
+    All modules are fp32, on CPU, in eval mode with ``requires_grad`` left on, as
+    ``from_pretrained`` returns them. The global torch RNG is left untouched.
+    """
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
+    tcfg = dict(TRANSFORMER_CONFIGS[kind])
+    unknown = sorted(set(overrides) - set(tcfg))
+    if unknown:
+        raise ValueError(
+            f"unknown transformer option(s) {unknown} for tiny {kind!r}; known: {sorted(tcfg)}"
+        )
+    tcfg.update(overrides)
+    if kind == "sd3" and tcfg["pooled_projection_dim"] != 48:
+        raise ValueError("tiny sd3: pooled_projection_dim is fixed at 48 (16 + 32 CLIP dims)")
+    seeds = iter(range(seed * 1000, seed * 1000 + 100))
+    with torch.random.fork_rng(devices=[]):
+        pipe = _BUILDERS[kind](tcfg, seeds)
+    for _, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            module.eval()  # like from_pretrained: eval mode, parameters keep requires_grad
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_size(kind: str) -> tuple[int, int]:
+    """A small valid (height, width) in pixels for tests: 32 x 48 (8 x 12 = 96 tokens).
+
+    Any H, W that are multiples of ``TINY_MULTIPLE`` (4) work for every kind; the benchmark size
+    is 128 x 128 (32 x 32 = 1024 tokens). Non-square on purpose, to catch H/W mix-ups.
+    """
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
+    return 32, 48

@@ -1,0 +1,395 @@
+"""Reward registry, multi-reward evaluation with validation, and async scoring.
+
+A reward is a callable ``(images [B, C, H, W] float in [0, 1] on CPU, prompts list[str],
+metadata list[dict]) -> B floats`` (list, array or tensor) or ``dict key -> B floats``
+(contract 6 of DESIGN.md). Built-ins are registered lazily by name so that importing this
+module never imports transformers or onnxruntime.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+RewardOutput = Sequence[float] | torch.Tensor | Mapping[str, Sequence[float] | torch.Tensor]
+RewardFn = Callable[[torch.Tensor, list[str], list[dict]], RewardOutput]
+
+# name -> the reward object, or "package.module:attr" resolved on first use (lazy built-ins).
+_REGISTRY: dict[str, Any] = {
+    "ocr": "flowgrpo.rewards.ocr:OcrReward",
+    "jpeg_compressibility": "flowgrpo.rewards.jpeg:jpeg_compressibility",
+    "jpeg_incompressibility": "flowgrpo.rewards.jpeg:jpeg_incompressibility",
+    "digits": "flowgrpo.rewards.digits:digits_reward",
+    "clip_score": "flowgrpo.rewards.clip:ClipScore",
+    "pickscore": "flowgrpo.rewards.clip:PickScore",
+    "remote": "flowgrpo.rewards.remote:RemoteReward",
+}
+
+
+def register_reward(name: str) -> Callable[[Any], Any]:
+    """Decorator registering a reward function or class under ``name`` (overrides a built-in).
+
+    >>> @register_reward("brightness")
+    ... def brightness(images, prompts, metadata):
+    ...     return images.mean(dim=(1, 2, 3))
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
+
+    def deco(obj: Any) -> Any:
+        _REGISTRY[name] = obj
+        return obj
+
+    return deco
+
+
+def registered_rewards() -> list[str]:
+    """Sorted names of all registered rewards."""
+    return sorted(_REGISTRY)
+
+
+def _import_path(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(
+            f"reward import path must look like 'package.module:function', got {path!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import module {module_name!r} of reward {path!r}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (reward {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _resolve(name: str) -> Any:
+    if ":" in name:
+        return _import_path(name)
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"unknown reward {name!r}{hint} Registered rewards: {', '.join(registered_rewards())} "
+            "(or give an import path 'package.module:function')"
+        )
+    obj = _REGISTRY[name]
+    return _import_path(obj) if isinstance(obj, str) else obj  # modules are cached by Python
+
+
+def build_reward(name_or_import_path: str, **options: Any) -> RewardFn:
+    """Return the reward callable for a registry name or ``package.module:function`` path.
+
+    A class is instantiated with ``options``; a function with options gets them bound as
+    keyword arguments. Unknown names or options raise ValueError naming them.
+    """
+    obj = _resolve(name_or_import_path)
+    if isinstance(obj, type):
+        _check_options(obj.__init__, options, name_or_import_path, skip=1)  # self
+        return obj(**options)
+    if not callable(obj):
+        raise ValueError(f"reward {name_or_import_path!r} resolved to a non-callable {obj!r}")
+    if not options:
+        return obj
+    _check_options(obj, options, name_or_import_path, skip=3)  # images, prompts, metadata
+
+    def bound(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardOutput:
+        return obj(images, prompts, metadata, **options)
+
+    bound.__name__ = getattr(obj, "__name__", "reward")
+    return bound
+
+
+def _check_options(fn: Callable, options: Mapping[str, Any], name: str, skip: int) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())[skip:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(
+            f"reward {name!r} got unknown option(s) {unknown}; it accepts {sorted(accepted)}"
+        )
+
+
+@dataclass
+class RewardSpec:
+    """One component of a (multi-)reward: registry name or import path, weight, options.
+
+    ``key_weights`` only matters for a reward returning a dict: it weights its entries
+    individually (entries not listed get weight 0, i.e. are only logged). Without it every
+    entry gets ``weight``.
+    """
+
+    name: str
+    weight: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+    key_weights: dict[str, float] | None = None
+    alias: str | None = None  # the name in outputs and logs (default: see ``label``)
+
+    @property
+    def label(self) -> str:
+        """Name in outputs and logs: alias, else the registry name or the import path's attr."""
+        return self.alias or self.name.rpartition(":")[2].rpartition(".")[2] or self.name
+
+
+def parse_reward_specs(cfg: Any) -> list[RewardSpec]:
+    """Accept ``"ocr"``, ``{"ocr": 1.0, "jpeg_compressibility": 0.1}``, a RewardSpec, or a list
+    of names / dicts ``{"name", "weight", "options", "key_weights", "alias"}`` / RewardSpecs."""
+    if isinstance(cfg, (str, RewardSpec)):
+        cfg = [cfg]
+    elif isinstance(cfg, Mapping) and "name" not in cfg:
+        cfg = [{"name": k, "weight": v} for k, v in cfg.items()]
+    elif isinstance(cfg, Mapping):
+        cfg = [cfg]
+    specs = []
+    for item in cfg:
+        if isinstance(item, RewardSpec):
+            specs.append(item)
+        elif isinstance(item, str):
+            specs.append(RewardSpec(item))
+        elif isinstance(item, Mapping):
+            unknown = set(item) - {"name", "weight", "options", "key_weights", "alias"}
+            if unknown or "name" not in item:
+                raise ValueError(
+                    f"bad reward spec {dict(item)!r}: needs 'name', got {unknown or ''}"
+                )
+            specs.append(
+                RewardSpec(
+                    name=str(item["name"]),
+                    weight=float(item.get("weight", 1.0)),
+                    options=dict(item.get("options") or {}),
+                    key_weights=item.get("key_weights"),
+                    alias=item.get("alias"),
+                )
+            )
+        else:
+            raise ValueError(f"bad reward spec {item!r}: expected a name, a dict or a RewardSpec")
+    return specs
+
+
+def validate_images(images: Any, prompts: Any, metadata: Any) -> None:
+    """Check the reward input contract; ValueError naming the culprit otherwise."""
+    if not isinstance(images, torch.Tensor):
+        raise ValueError(f"reward images must be a torch.Tensor, got {type(images).__name__}")
+    if images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(
+            f"reward images must be [B, C, H, W] with C in (1, 3), got {tuple(images.shape)}"
+        )
+    if not images.is_floating_point():
+        raise ValueError(
+            f"reward images must be a float tensor in [0, 1], got dtype {images.dtype}"
+        )
+    if images.device.type != "cpu":
+        raise ValueError(f"reward images must be on the CPU, got device {images.device}")
+    if images.numel():
+        lo, hi = float(images.min()), float(images.max())
+        if not (lo >= 0.0 and hi <= 1.0):  # also catches NaN
+            raise ValueError(f"reward images must lie in [0, 1], got range [{lo:.4g}, {hi:.4g}]")
+    b = images.shape[0]
+    if not isinstance(prompts, (list, tuple)) or len(prompts) != b:
+        n = len(prompts) if isinstance(prompts, (list, tuple)) else type(prompts).__name__
+        raise ValueError(f"reward prompts must be a list of {b} strings (one per image), got {n}")
+    if not isinstance(metadata, (list, tuple)) or len(metadata) != b:
+        n = len(metadata) if isinstance(metadata, (list, tuple)) else type(metadata).__name__
+        raise ValueError(f"reward metadata must be a list of {b} dicts (one per image), got {n}")
+
+
+def to_score_tensor(values: Any, batch_size: int, name: str) -> torch.Tensor:
+    """Scores -> float32 CPU tensor [B]; ValueError naming ``name`` if not B finite numbers."""
+    try:
+        if isinstance(values, torch.Tensor):
+            t = values.detach().to("cpu", torch.float32)
+        else:
+            t = torch.as_tensor([float(v) for v in values], dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward {name!r} returned non-numeric scores: {e}") from e
+    if t.dim() != 1 or t.numel() != batch_size:
+        raise ValueError(
+            f"reward {name!r} returned scores of shape {tuple(t.shape)}, expected {batch_size} "
+            "(one per image)"
+        )
+    if not bool(torch.isfinite(t).all()):
+        bad = torch.nonzero(~torch.isfinite(t)).flatten().tolist()
+        raise ValueError(f"reward {name!r} returned non-finite scores at indices {bad}")
+    return t
+
+
+def _tag(exc: BaseException, name: str) -> BaseException:
+    exc.reward_name = name  # type: ignore[attr-defined]
+    return exc
+
+
+class MultiReward:
+    """Evaluate several rewards on one batch -> ``{name: Tensor[B] float32}``.
+
+    A component returning a dict contributes entries named ``"<label>/<key>"``. ``.weights``
+    gives the weight of every output name (for ``combine_rewards``).
+    """
+
+    def __init__(self, specs: Sequence[RewardSpec] | Any) -> None:
+        self.specs = parse_reward_specs(specs)
+        if not self.specs:
+            raise ValueError("MultiReward needs at least one reward")
+        labels = [s.label for s in self.specs]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"reward names must be unique, {dup} repeated (set 'alias')")
+        self.fns: dict[str, RewardFn] = {
+            s.label: build_reward(s.name, **s.options) for s in self.specs
+        }
+        self._keys: dict[str, list[str]] = {}  # label -> dict keys seen (dict rewards)
+
+    @classmethod
+    def from_functions(
+        cls, fns: Mapping[str, RewardFn], weights: Mapping[str, float] | None = None
+    ) -> MultiReward:
+        """Wrap already-built callables ``{name: fn}`` (weights default to 1)."""
+        m = cls.__new__(cls)
+        m.specs = [RewardSpec(k, float((weights or {}).get(k, 1.0)), alias=k) for k in fns]
+        m.fns = dict(fns)
+        m._keys = {}
+        return m
+
+    @property
+    def names(self) -> list[str]:
+        return [s.label for s in self.specs]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Weight of every output name; dict rewards are known after their first call."""
+        out: dict[str, float] = {}
+        for s in self.specs:
+            keys = self._keys.get(s.label)
+            if keys is None:
+                out[s.label] = float(s.weight)
+                continue
+            for k in keys:
+                w = 1.0 if s.key_weights is None else float(s.key_weights.get(k, 0.0))
+                out[f"{s.label}/{k}"] = float(s.weight) * w
+        return out
+
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+    ) -> dict[str, torch.Tensor]:
+        if metadata is None:
+            metadata = [{} for _ in prompts]
+        validate_images(images, prompts, metadata)
+        images = images.float()
+        prompts, metadata = list(prompts), list(metadata)
+        b = images.shape[0]
+        out: dict[str, torch.Tensor] = {}
+        for label, fn in self.fns.items():
+            try:
+                raw = fn(images, prompts, metadata)
+            except Exception as e:
+                raise _tag(
+                    RuntimeError(f"reward {label!r} failed: {type(e).__name__}: {e}"), label
+                ) from e
+            try:
+                if isinstance(raw, Mapping):
+                    if not raw:
+                        raise ValueError(f"reward {label!r} returned an empty dict")
+                    self._keys[label] = [str(k) for k in raw]
+                    for k, v in raw.items():
+                        out[f"{label}/{k}"] = to_score_tensor(v, b, f"{label}/{k}")
+                else:
+                    out[label] = to_score_tensor(raw, b, label)
+            except ValueError as e:
+                raise _tag(e, label) from None
+        return out
+
+    def combine(
+        self,
+        rewards: Mapping[str, torch.Tensor],
+        group_ids: Sequence[Hashable] | torch.Tensor,
+        *,
+        mode: str = "weighted_sum",
+        global_std: bool = True,
+        eps: float = 1e-4,
+    ):
+        """``combine_rewards(rewards, self.weights, group_ids, ...)`` -> CombinedRewards."""
+        from flowgrpo.algo.advantages import combine_rewards
+
+        weights = self.weights
+        return combine_rewards(
+            rewards,
+            {k: weights[k] for k in rewards if k in weights},
+            group_ids,
+            mode=mode,
+            global_std=global_std,
+            eps=eps,
+        )
+
+
+class RewardFuture:
+    """Result of ``AsyncRewardScorer.submit``: ``.result()`` -> {name: Tensor[B]} in sample order."""
+
+    def __init__(self, future: cf.Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        try:
+            return self._future.result(timeout)
+        except cf.TimeoutError:
+            raise
+        except Exception as e:
+            name = getattr(e, "reward_name", None)
+            if name is None:
+                raise RuntimeError(f"reward scoring failed: {type(e).__name__}: {e}") from e
+            msg = str(e)
+            prefix = f"reward {name!r} failed: "
+            raise RuntimeError(msg if msg.startswith(prefix) else prefix + msg) from e
+
+
+class AsyncRewardScorer:
+    """Score batches in a worker thread while the trainer does other work.
+
+    Inputs are copied at submit time, so the caller may reuse its buffers. Results keep the
+    submitted sample order; a failing reward is re-raised by ``.result()`` as
+    ``RuntimeError("reward 'NAME' failed: ...")``. Use as a context manager or call close().
+    """
+
+    def __init__(self, reward: MultiReward | RewardFn, *, max_workers: int = 1) -> None:
+        self.reward = reward if isinstance(reward, MultiReward) else _single(reward)
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+
+    def submit(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+    ) -> RewardFuture:
+        if isinstance(images, torch.Tensor):
+            images = images.detach().to("cpu", copy=True)
+        prompts = list(prompts)
+        metadata = [dict(m) for m in metadata] if metadata is not None else None
+        return RewardFuture(self._pool.submit(self.reward, images, prompts, metadata))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> AsyncRewardScorer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _single(fn: RewardFn) -> MultiReward:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return MultiReward.from_functions({name: fn})

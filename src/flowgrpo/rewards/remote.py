@@ -1,0 +1,146 @@
+"""Remote reward client (standard library only) and the JSON protocol it shares with server.py.
+
+Protocol: ``POST <url>`` with JSON ``{"images": [base64 PNG, ...], "prompts": [...],
+"metadata": [...]}`` (optional header ``Authorization: Bearer <token>``); the answer is
+``{"scores": [B floats]}`` or ``{"scores": {key: [B floats]}}``, or on error ``{"error": msg}``
+with a 4xx/5xx status. ``GET <base>/health`` answers ``{"status": "ok", "reward": name}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import torch
+from PIL import Image
+
+from flowgrpo.rewards._image import from_pil, to_pil
+
+TOKEN_ENV = "FLOWGRPO_REWARD_TOKEN"
+
+
+def encode_images(images: torch.Tensor) -> list[str]:
+    """[B, C, H, W] in [0, 1] -> B base64 PNG strings (lossless after uint8 rounding)."""
+    out = []
+    for img in to_pil(images):
+        buf = io.BytesIO()
+        img.save(buf, format="PNG", compress_level=1)
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def decode_images(data: list[str]) -> torch.Tensor:
+    """B base64 PNG strings -> [B, C, H, W] float32 in [0, 1]."""
+    pils = []
+    for i, s in enumerate(data):
+        try:
+            img = Image.open(io.BytesIO(base64.b64decode(s, validate=True)))
+            img.load()
+        except Exception as e:
+            raise ValueError(f"image {i} is not a base64 PNG: {e}") from e
+        pils.append(img)
+    return from_pil(pils)
+
+
+def _jsonable(meta: Any) -> Any:
+    """Metadata made JSON-safe: tensors/arrays to lists, unknown objects to strings."""
+    if isinstance(meta, dict):
+        return {str(k): _jsonable(v) for k, v in meta.items()}
+    if isinstance(meta, (list, tuple)):
+        return [_jsonable(v) for v in meta]
+    if isinstance(meta, (str, int, float, bool)) or meta is None:
+        return meta
+    if hasattr(meta, "tolist"):
+        return meta.tolist()
+    return str(meta)
+
+
+class RemoteReward:
+    """Reward computed by a server (``flowgrpo reward-server``) at ``url``.
+
+    Each call POSTs the batch; a timeout, connection error or 5xx answer is retried up to
+    ``retries`` times with exponential ``backoff`` (s); 4xx answers are not retried. The
+    final failure raises RuntimeError naming the URL. ``token`` defaults to
+    $FLOWGRPO_REWARD_TOKEN.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 2,
+        backoff: float = 1.0,
+        token: str | None = None,
+    ) -> None:
+        if not url or not str(url).startswith(("http://", "https://")):
+            raise ValueError(f"remote reward needs option 'url' (http://host:port/), got {url!r}")
+        if retries < 0 or timeout <= 0:
+            raise ValueError(
+                f"remote reward: need retries >= 0 and timeout > 0, got {retries}, {timeout}"
+            )
+        self.url = str(url)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+
+    def _post(self, body: bytes) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return json.loads(resp.read())
+
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
+    ) -> list[float] | dict[str, list[float]]:
+        payload = {
+            "images": encode_images(images),
+            "prompts": list(prompts),
+            "metadata": _jsonable(list(metadata)),
+        }
+        body = json.dumps(payload).encode("utf-8")
+        attempts = self.retries + 1
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                answer = self._post(body)
+                break
+            except urllib.error.HTTPError as e:
+                detail = _error_detail(e)
+                if 400 <= e.code < 500:
+                    raise RuntimeError(
+                        f"remote reward at {self.url} rejected the request: HTTP {e.code} {detail}"
+                    ) from None
+                last = f"HTTP {e.code} {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            except json.JSONDecodeError as e:
+                last = f"invalid JSON answer: {e}"
+        else:
+            raise RuntimeError(
+                f"remote reward at {self.url} failed after {attempts} attempt(s) "
+                f"(timeout {self.timeout:g}s): {last}"
+            )
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        if scores is None:
+            raise RuntimeError(
+                f"remote reward at {self.url} answered without 'scores': {answer!r:.200}"
+            )
+        return scores
+
+
+def _error_detail(e: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(e.read()).get("error", ""))
+    except Exception:
+        return str(e.reason)

@@ -1,0 +1,11 @@
+"""Trajectory sampling with exact per-step log-probabilities, and its training-time twin."""
+
+from flowgrpo.rollout.sampler import (
+    SDEWindow,
+    Trajectory,
+    policy_step,
+    sample_trajectories,
+    trajectory_log_prob,
+)
+
+__all__ = ["SDEWindow", "Trajectory", "policy_step", "sample_trajectories", "trajectory_log_prob"]

@@ -1,0 +1,336 @@
+"""Sample images with an SDE sampler that records what Flow-GRPO trains on.
+
+``policy_step`` is the single implementation of "velocity -> SDE step -> log-prob": the
+rollout calls it without grad, the training pass (``trajectory_log_prob``) calls it with grad
+on the recorded latents, so the two can only differ by the transformer's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from flowgrpo.algo.sde import SDEStepOutput, sde_step_with_logprob
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds
+
+Generators = torch.Generator | list[torch.Generator] | None
+
+
+@dataclass(frozen=True)
+class SDEWindow:
+    """Flow-GRPO-Fast: SDE only on ``size`` consecutive steps whose start is drawn per sample
+    uniformly in [lo, hi - size] (hi exclusive; None = the last stochastic step + 1)."""
+
+    size: int
+    lo: int = 0
+    hi: int | None = None
+
+
+@dataclass
+class Trajectory:
+    """A rollout batch of B samples with K trained (SDE) steps each.
+
+    latents [B, K+1, ...]: latents[:, k] before trained step k, latents[:, k+1] after it.
+    log_probs, sigmas, sigmas_next, timesteps, step_indices: [B, K].
+    final_latents: pipeline ``output_type="latent"`` layout; images [B, C, H, W] in [0, 1].
+    """
+
+    prompts: list[str]
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    sigmas_next: torch.Tensor
+    timesteps: torch.Tensor
+    step_indices: torch.Tensor
+    prompt_embeds: PromptEmbeds
+    negative_embeds: PromptEmbeds | None
+    final_latents: torch.Tensor
+    images: torch.Tensor | None
+    sigma_max: float
+    height: int
+    width: int
+    guidance_scale: float
+    noise_level: float
+    sde_type: str
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_train_steps(self) -> int:
+        return self.log_probs.shape[1]
+
+    def select(self, index: torch.Tensor | slice | list[int]) -> Trajectory:
+        """Rows ``index`` of every per-sample field (prompt padding trimmed to the subset)."""
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v[index]
+            elif isinstance(v, PromptEmbeds):
+                v = v.select(index)
+            elif f.name == "prompts":
+                rows = range(len(v))[index] if isinstance(index, slice) else index.tolist()
+                v = [self.prompts[i] for i in rows]
+            out[f.name] = v
+        return Trajectory(**out)
+
+    @staticmethod
+    def cat(parts: list[Trajectory]) -> Trajectory:
+        """Concatenate rollout chunks along the batch (settings must agree)."""
+        first = parts[0]
+        out: dict[str, Any] = {}
+        for f in fields(first):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name == "prompts":
+                out[f.name] = [s for v in vals for s in v]
+            elif isinstance(vals[0], torch.Tensor):
+                out[f.name] = torch.cat(vals)
+            elif isinstance(vals[0], PromptEmbeds):
+                out[f.name] = PromptEmbeds.cat(vals)
+            elif vals[0] is None:
+                out[f.name] = None
+            else:
+                if any(v != vals[0] for v in vals):
+                    raise ValueError(f"cannot concatenate trajectories with different {f.name}")
+                out[f.name] = vals[0]
+        return Trajectory(**out)
+
+
+def policy_step(
+    adapter: DiffusionAdapter,
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    embeds: PromptEmbeds,
+    negative_embeds: PromptEmbeds | None,
+    *,
+    guidance_scale: float,
+    noise_level: float,
+    sde_type: str,
+    height: int,
+    width: int,
+    sigma_max: float | None = None,
+    prev_sample: torch.Tensor | None = None,
+    generator: Generators = None,
+    stochastic: torch.Tensor | None = None,
+) -> SDEStepOutput:
+    """Guided velocity at (latents, sigma [B]) then one step to sigma_next [B] with log-prob.
+
+    ``stochastic`` [B] bool marks the samples that take an SDE step; the others take the
+    deterministic Euler step (log_prob 0) and draw no noise, so a per-sample generator is only
+    consumed where noise is used. None = all stochastic.
+    """
+    v = adapter.velocity(
+        transformer,
+        latents,
+        sigma,
+        embeds,
+        negative_embeds,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+    )
+    step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max)
+    if stochastic is None or bool(stochastic.all()):
+        return sde_step_with_logprob(
+            v, latents, sigma, sigma_next, prev_sample=prev_sample, generator=generator, **step
+        )
+    euler = sde_step_with_logprob(v, latents, sigma, sigma_next, noise_level=0.0, sde_type="ode")
+    if not bool(stochastic.any()):
+        return euler
+    idx = stochastic.nonzero().squeeze(1)
+    gens = [generator[i] for i in idx.tolist()] if isinstance(generator, list) else generator
+    sub = sde_step_with_logprob(
+        v[idx],
+        latents[idx],
+        sigma[idx],
+        sigma_next[idx],
+        prev_sample=None if prev_sample is None else prev_sample[idx],
+        generator=gens,
+        **step,
+    )
+    prev, logp = euler.prev_sample.clone(), euler.log_prob.clone()
+    mean, std = euler.prev_sample_mean.clone(), euler.std_dev_t.clone()
+    prev[idx], logp[idx], mean[idx], std[idx] = (
+        sub.prev_sample,
+        sub.log_prob,
+        sub.prev_sample_mean,
+        sub.std_dev_t,
+    )
+    return SDEStepOutput(prev, logp, mean, std)
+
+
+def _trained_steps(
+    batch: int,
+    num_steps: int,
+    *,
+    sde_window: SDEWindow | None,
+    timestep_fraction: float,
+    deterministic_last_step: bool,
+    generator: Generators,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-sample first stochastic step [B], first trained step [B] (same), and K."""
+    available = num_steps - 1 if deterministic_last_step else num_steps
+    if available < 1:
+        raise ValueError(
+            f"num_steps={num_steps} leaves no stochastic step to train "
+            "(the last step is deterministic): use num_steps >= 2"
+        )
+    if sde_window is None:
+        if not 0 < timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        k = max(1, int(available * timestep_fraction))
+        start = torch.zeros(batch, dtype=torch.long)
+        return start, available, k
+    size, lo = sde_window.size, sde_window.lo
+    hi = available if sde_window.hi is None else sde_window.hi
+    if size < 1 or lo < 0 or hi > available or hi - size < lo:
+        raise ValueError(
+            f"sde_window (size={size}, lo={lo}, hi={hi}) must fit inside the {available} "
+            f"stochastic steps: need 1 <= size <= hi - lo and 0 <= lo, hi <= {available}"
+        )
+    if isinstance(generator, list):
+        start = torch.cat(
+            [
+                torch.randint(lo, hi - size + 1, (1,), generator=g, device=g.device)
+                for g in generator
+            ]
+        ).cpu()
+    else:
+        gen_device = generator.device if generator is not None else "cpu"
+        start = torch.randint(lo, hi - size + 1, (batch,), generator=generator, device=gen_device)
+    return start.cpu(), size, size
+
+
+@torch.no_grad()
+def sample_trajectories(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    *,
+    num_steps: int,
+    guidance_scale: float,
+    noise_level: float,
+    sde_type: str = "sde",
+    height: int,
+    width: int,
+    latents: torch.Tensor | None = None,
+    generator: Generators = None,
+    sde_window: SDEWindow | None = None,
+    negative_prompts: list[str] | None = None,
+    timestep_fraction: float = 1.0,
+    deterministic_last_step: bool = True,
+    transformer: torch.nn.Module | None = None,
+    decode: bool = True,
+) -> Trajectory:
+    """Generate B = len(prompts) images and record the K trained SDE steps of each.
+
+    Stochastic steps: the SDE window of each sample if ``sde_window`` is given, else every
+    step (but the last when ``deterministic_last_step``); the first ``timestep_fraction`` of
+    them are trained (recorded). Other steps are plain Euler (ODE) steps. ``generator`` may be
+    a list with one generator per sample: a sample is then reproducible in any batch.
+    """
+    transformer = transformer if transformer is not None else adapter.transformer
+    batch = len(prompts)
+    if isinstance(generator, list) and len(generator) != batch:
+        raise ValueError(f"got {len(generator)} generators for {batch} prompts")
+    embeds, negative = adapter.encode(prompts, negative_prompts, guidance_scale=guidance_scale)
+    schedule = adapter.schedule(num_steps, height, width)
+    sigmas = schedule.sigmas.float().cpu()
+    sigma_max = float(sigmas[1]) if len(sigmas) > 2 else float(sigmas[0])
+    if latents is None:
+        latents = adapter.prepare_latents(batch, height, width, generator)
+    latents = latents.to(device=adapter.device)
+    start, span, k = _trained_steps(
+        batch,
+        num_steps,
+        sde_window=sde_window,
+        timestep_fraction=timestep_fraction,
+        deterministic_last_step=deterministic_last_step,
+        generator=generator,
+    )
+
+    x = latents
+    all_latents, all_log_probs = [x], []
+    for i in range(num_steps):
+        sig = sigmas[i].expand(batch).to(x.device)
+        sig_next = sigmas[i + 1].expand(batch).to(x.device)
+        stochastic = ((start <= i) & (i < start + span)).to(x.device)
+        out = policy_step(
+            adapter,
+            transformer,
+            x,
+            sig,
+            sig_next,
+            embeds,
+            negative,
+            guidance_scale=guidance_scale,
+            noise_level=noise_level,
+            sde_type=sde_type,
+            height=height,
+            width=width,
+            sigma_max=sigma_max,
+            generator=generator,
+            stochastic=stochastic if noise_level > 0 else torch.zeros_like(stochastic),
+        )
+        x = out.prev_sample
+        all_latents.append(x)
+        all_log_probs.append(out.log_prob)
+
+    rows = torch.arange(batch)[:, None]
+    steps = start[:, None] + torch.arange(k)[None, :]  # [B, K] trained step indices
+    stacked = torch.stack(all_latents, dim=1)  # [B, N+1, ...]
+    log_probs = torch.stack(all_log_probs, dim=1)  # [B, N]
+    trajectory_latents = stacked[rows, torch.cat([steps, steps[:, -1:] + 1], dim=1)]
+    return Trajectory(
+        prompts=list(prompts),
+        latents=trajectory_latents,
+        log_probs=log_probs.cpu()[rows, steps].to(x.device),
+        sigmas=sigmas[steps].to(x.device),
+        sigmas_next=sigmas[steps + 1].to(x.device),
+        timesteps=schedule.timesteps.float().cpu()[steps].to(x.device),
+        step_indices=steps.to(x.device),
+        prompt_embeds=embeds,
+        negative_embeds=negative,
+        final_latents=x,
+        images=adapter.decode(x, height, width) if decode else None,
+        sigma_max=sigma_max,
+        height=height,
+        width=width,
+        guidance_scale=guidance_scale,
+        noise_level=noise_level,
+        sde_type=sde_type,
+    )
+
+
+def trajectory_log_prob(
+    adapter: DiffusionAdapter,
+    transformer: torch.nn.Module,
+    trajectory: Trajectory,
+    step: int,
+    index: torch.Tensor | slice | None = None,
+) -> SDEStepOutput:
+    """Recompute log p(latents[:, step+1] | latents[:, step]) for samples ``index`` under
+    ``transformer`` (grad flows when enabled): the training-time twin of the rollout step."""
+    traj = trajectory if index is None else trajectory.select(index)
+    return policy_step(
+        adapter,
+        transformer,
+        traj.latents[:, step],
+        traj.sigmas[:, step],
+        traj.sigmas_next[:, step],
+        traj.prompt_embeds,
+        traj.negative_embeds,
+        guidance_scale=traj.guidance_scale,
+        noise_level=traj.noise_level,
+        sde_type=traj.sde_type,
+        height=traj.height,
+        width=traj.width,
+        sigma_max=traj.sigma_max,
+        prev_sample=traj.latents[:, step + 1],
+    )

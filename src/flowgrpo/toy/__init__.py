@@ -1,0 +1,34 @@
+"""The built-in toy digits task: data, pretraining, evaluation and an RL quick check.
+
+The model itself is ``flowgrpo.models.toy`` and its reward ``flowgrpo.rewards.digits``.
+Names are imported lazily so that ``python -m flowgrpo.toy.pretrain`` runs cleanly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_digits_data": "flowgrpo.toy.data",
+    "digit_prompts": "flowgrpo.toy.eval",
+    "eval_generators": "flowgrpo.toy.eval",
+    "evaluate_toy": "flowgrpo.toy.eval",
+    "add_toy_parser": "flowgrpo.toy.pretrain",
+    "main": "flowgrpo.toy.pretrain",
+    "pretrain_toy": "flowgrpo.toy.pretrain",
+    "train_digits_classifier": "flowgrpo.toy.pretrain",
+    "quickcheck": "flowgrpo.toy.quickcheck",
+    "ToyDigitsPipeline": "flowgrpo.toy.pipeline",
+    "parse_digit": "flowgrpo.toy.pipeline",
+    "toy_pipeline": "flowgrpo.toy.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flowgrpo.toy' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = sorted(_EXPORTS)

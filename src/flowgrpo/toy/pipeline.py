@@ -1,0 +1,256 @@
+"""The toy digits pipeline: prompt parsing, the tiny text encoder, save/load, shipped weights.
+
+``ToyDigitsPipeline`` holds a real diffusers ``SD3Transformer2DModel`` (583k parameters, patch
+2, 16 image tokens), a tiny learned text encoder (``ToyTextEncoder``: 4 tokens of dim 32 plus a
+pooled vector per digit, and an extra entry for the empty prompt used by CFG) and a
+``FlowMatchEulerDiscreteScheduler``. Latents ARE the images: [B, 1, 8, 8] in [-1, 1], no VAE.
+Its adapter is ``flowgrpo.models.toy.ToyAdapter``. Base weights pretrained by
+``flowgrpo toy pretrain`` ship in ``flowgrpo/assets``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+IMAGE_SIZE = 8
+NUM_DIGITS = 10
+EMPTY_ID = NUM_DIGITS  # text-encoder row of the empty (unconditional) prompt
+ASSET_NAME = "toy_generator"  # flowgrpo/assets/toy_generator.{safetensors,json}
+
+TRANSFORMER_CONFIG: dict[str, Any] = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=1,
+    out_channels=1,
+    num_layers=4,
+    num_attention_heads=2,
+    attention_head_dim=32,
+    joint_attention_dim=32,
+    caption_projection_dim=64,
+    pooled_projection_dim=32,
+    pos_embed_max_size=4,
+)
+TEXT_ENCODER_CONFIG: dict[str, Any] = dict(num_tokens=4, dim=32, pooled_dim=32)
+SCHEDULER_CONFIG: dict[str, Any] = dict(num_train_timesteps=1000, shift=1.0)
+
+_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_DIGIT_RE = re.compile(r"(?<!\d)\d(?!\d)")
+_NUMBER_RE = re.compile(r"\d{2,}")
+_WORD_RE = re.compile(r"\b(" + "|".join(_WORDS) + r")\b", re.IGNORECASE)
+
+
+def parse_digit(prompt: str) -> int | None:
+    """The digit a prompt asks for: "a handwritten 7", "7", "the digit seven" -> 7.
+
+    The empty (or blank) prompt -> None (unconditional). A prompt naming no digit, several
+    different digits, or a number of two or more digits raises ValueError naming it.
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"toy prompt must be a string, got {type(prompt).__name__}: {prompt!r}")
+    if not prompt.strip():
+        return None
+    if _NUMBER_RE.search(prompt):
+        raise ValueError(f"toy prompt {prompt!r} names a number, not a single digit 0-9")
+    found = {int(m) for m in _DIGIT_RE.findall(prompt)}
+    if not found:
+        found = {_WORDS.index(w.lower()) for w in _WORD_RE.findall(prompt)}
+    if len(found) != 1:
+        what = "no digit" if not found else f"several digits {sorted(found)}"
+        raise ValueError(
+            f"toy prompt {prompt!r} names {what}; expected one digit 0-9 (e.g. 'a handwritten 7')"
+        )
+    return found.pop()
+
+
+class ToyTextEncoder(torch.nn.Module):
+    """Digit id (0-9, or EMPTY_ID = 10 for "") -> tokens [B, num_tokens, dim], pooled [B, P]."""
+
+    def __init__(self, num_tokens: int = 4, dim: int = 32, pooled_dim: int = 32):
+        super().__init__()
+        self.config = dict(num_tokens=num_tokens, dim=dim, pooled_dim=pooled_dim)
+        self.tokens = torch.nn.Parameter(torch.randn(NUM_DIGITS + 1, num_tokens, dim))
+        self.pooled = torch.nn.Parameter(torch.randn(NUM_DIGITS + 1, pooled_dim))
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[ids], self.pooled[ids]
+
+
+class ToyDigitsPipeline:
+    """transformer (SD3Transformer2DModel), text_encoder (ToyTextEncoder), scheduler.
+
+    ``pipe(prompts, num_inference_steps=10)`` samples images [B, 1, 8, 8] in [0, 1] (Euler ODE).
+    Saved as one safetensors file (``transformer.*``, ``text_encoder.*``) plus one JSON config
+    (``model_index.json`` in a directory; ``_class_name`` = "ToyDigitsPipeline").
+    """
+
+    weights_name = "model.safetensors"
+    config_name = "model_index.json"
+
+    def __init__(self, transformer: Any, text_encoder: ToyTextEncoder, scheduler: Any):
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+        self.scheduler = scheduler
+        self.info: dict[str, Any] = {}  # free provenance (pretraining figures), saved in the JSON
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None = None, seed: int = 0) -> ToyDigitsPipeline:
+        """Random weights from ``seed`` (the global RNG is left untouched)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+        config = config or {}
+        state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(seed)
+            transformer = SD3Transformer2DModel(**config.get("transformer", TRANSFORMER_CONFIG))
+            text_encoder = ToyTextEncoder(**config.get("text_encoder", TEXT_ENCODER_CONFIG))
+        finally:
+            torch.random.set_rng_state(state)
+        scheduler = FlowMatchEulerDiscreteScheduler(**config.get("scheduler", SCHEDULER_CONFIG))
+        return cls(transformer, text_encoder, scheduler)
+
+    def config(self) -> dict[str, Any]:
+        sched = {k: v for k, v in self.scheduler.config.items() if not k.startswith("_")}
+        return {
+            "_class_name": type(self).__name__,
+            "transformer": {k: _plain(self.transformer.config[k]) for k in TRANSFORMER_CONFIG},
+            "text_encoder": dict(self.text_encoder.config),
+            "scheduler": sched,
+            "info": self.info,
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"transformer.{k}": v for k, v in self.transformer.state_dict().items()}
+        out.update({f"text_encoder.{k}": v for k, v in self.text_encoder.state_dict().items()})
+        return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
+
+    def save_files(self, weights_path: str | Path, config_path: str | Path) -> None:
+        """Write the weights (fp32 safetensors) and the JSON config to the given paths."""
+        Path(weights_path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict(), str(weights_path))
+        Path(config_path).write_text(json.dumps(self.config(), indent=2, default=str) + "\n")
+
+    @classmethod
+    def from_files(cls, weights_path: str | Path, config_path: str | Path) -> ToyDigitsPipeline:
+        for p in (weights_path, config_path):
+            if not Path(p).is_file():
+                raise FileNotFoundError(f"toy pipeline file '{p}' does not exist")
+        config = json.loads(Path(config_path).read_text())
+        if config.get("_class_name") != cls.__name__:
+            raise ValueError(f"'{config_path}' is not a {cls.__name__} config")
+        pipe = cls.from_config(config)
+        state = load_file(str(weights_path))
+        for prefix, module in (
+            ("transformer.", pipe.transformer),
+            ("text_encoder.", pipe.text_encoder),
+        ):
+            sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            module.load_state_dict(sub, strict=True)
+        pipe.info = dict(config.get("info") or {})
+        return pipe
+
+    def save_pretrained(self, save_directory: str | Path) -> None:
+        """``save_directory/model.safetensors`` + ``save_directory/model_index.json``."""
+        root = Path(save_directory)
+        root.mkdir(parents=True, exist_ok=True)
+        self.save_files(root / self.weights_name, root / self.config_name)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **_: Any) -> ToyDigitsPipeline:
+        root = Path(directory)
+        if not root.is_dir():
+            raise FileNotFoundError(f"toy pipeline directory '{directory}' does not exist")
+        return cls.from_files(root / cls.weights_name, root / cls.config_name)
+
+    # -- diffusers-like conveniences --------------------------------------------------------
+    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> ToyDigitsPipeline:
+        self.transformer.to(device=device, dtype=dtype)
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+    @property
+    def components(self) -> dict[str, Any]:
+        return {
+            "transformer": self.transformer,
+            "text_encoder": self.text_encoder,
+            "scheduler": self.scheduler,
+        }
+
+    @classmethod
+    def save_lora_weights(cls, save_directory: str | Path, transformer_lora_layers: Any, **kw: Any):
+        """Write transformer LoRA weights in diffusers' SD3 LoRA format (pass
+        ``transformer_lora_adapter_metadata=peft_config.to_dict()`` to keep rank/alpha)."""
+        from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
+
+        SD3LoraLoaderMixin.save_lora_weights(
+            save_directory, transformer_lora_layers=transformer_lora_layers, **kw
+        )
+
+    def load_lora_weights(self, path_or_dict: Any, adapter_name: str | None = None, **kw: Any):
+        """Load a LoRA written by ``save_lora_weights`` (folder, file or dict) into the
+        transformer (peft)."""
+        from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
+
+        state, metadata = SD3LoraLoaderMixin.lora_state_dict(
+            path_or_dict, return_lora_metadata=True, **kw
+        )
+        self.transformer.load_lora_adapter(
+            state, prefix="transformer", adapter_name=adapter_name, metadata=metadata
+        )
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompts: str | list[str],
+        num_inference_steps: int = 10,
+        guidance_scale: float = 1.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """Euler ODE samples for ``prompts``: images [B, 1, 8, 8] in [0, 1] on CPU."""
+        from flowgrpo.models.toy import ToyAdapter
+        from flowgrpo.rollout.sampler import sample_trajectories
+
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        traj = sample_trajectories(
+            ToyAdapter(self),
+            prompts,
+            num_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            noise_level=0.0,
+            height=IMAGE_SIZE,
+            width=IMAGE_SIZE,
+            generator=generator,
+        )
+        return traj.images
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def toy_pipeline(pretrained: bool = True, seed: int = 0) -> ToyDigitsPipeline:
+    """The shipped base model (``flowgrpo/assets/toy_generator.*``) or random weights from seed."""
+    if not pretrained:
+        return ToyDigitsPipeline.from_config(seed=seed)
+    assets = resources.files("flowgrpo") / "assets"
+    with resources.as_file(assets / f"{ASSET_NAME}.safetensors") as weights:
+        with resources.as_file(assets / f"{ASSET_NAME}.json") as config:
+            return ToyDigitsPipeline.from_files(weights, config)
+
+
+__all__ = [
+    "ASSET_NAME",
+    "EMPTY_ID",
+    "IMAGE_SIZE",
+    "ToyDigitsPipeline",
+    "ToyTextEncoder",
+    "parse_digit",
+    "toy_pipeline",
+]

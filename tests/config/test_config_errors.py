@@ -1,0 +1,143 @@
+"""Config errors of issue 6: one line, naming the key, the allowed range and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowgrpo.config import ConfigError, load_config
+from flowgrpo.data.prompts import load_prompts
+
+
+def _error(*overrides: str, preset: str | None = None, check_paths: bool = False) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(preset, list(overrides), check_paths=check_paths)
+    message = str(info.value)
+    assert "\n" not in message
+    assert isinstance(info.value, ValueError)
+    return message
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "trainer.max_step=2",
+            "unknown config key 'trainer.max_step' (did you mean 'trainer.max_steps'?)",
+        ),
+        ("max_steps=2", "unknown config key 'max_steps' (did you mean 'trainer.max_steps'?)"),
+        (
+            "sample.noise=0.5",
+            "unknown config key 'sample.noise' (did you mean 'sample.noise_level'?)",
+        ),
+        ("optim.lrr=1e-4", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        ("trainer.max_steps.x=1", "unknown config key 'trainer.max_steps.x'"),
+    ],
+)
+def test_unknown_key_names_closest(override: str, expected: str) -> None:
+    assert _error(override).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.max_steps=ten", "config key 'trainer.max_steps' expects int, got 'ten'"),
+        ("seed=1.5", "config key 'seed' expects int, got 1.5"),
+        ("run.tensorboard=maybe", "config key 'run.tensorboard' expects bool, got 'maybe'"),
+        ("optim.lr=fast", "config key 'optim.lr' expects float, got 'fast'"),
+        ("optim.betas=[0.9]", "config key 'optim.betas' expects a list of 2 float, got [0.9]"),
+        ("trainer=5", "config key 'trainer' is a section"),
+    ],
+)
+def test_wrong_type_names_key_type_and_value(override: str, expected: str) -> None:
+    assert _error(override).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["sample.group_size=1"], "config key 'sample.group_size' must be >= 2"),
+        (["loss.clip_range=0"], "config key 'loss.clip_range' must be > 0, got 0.0"),
+        (["sample.noise_level=-0.1"], "config key 'sample.noise_level' must be >= 0, got -0.1"),
+        (["optim.lr=0"], "config key 'optim.lr' must be > 0, got 0.0"),
+        (["sample.sde_type=ode"], "config key 'sample.sde_type' must be one of 'sde', 'cps'"),
+        (
+            ["sample.sde_type=cps", "sample.noise_level=1.2"],
+            "'sample.noise_level' must be in [0, 1]",
+        ),
+        (["sample.timestep_fraction=0"], "'sample.timestep_fraction' must be in (0, 1]"),
+        (["advantage.mode=max"], "'advantage.mode' must be one of 'weighted_sum', 'advantage'"),
+        (["model.kind=sdxl"], "'model.kind' must be one of 'auto', 'toy'"),
+        (["sample.use_ema_for_rollout=true"], "'ema.enabled' must be true with sample.use_ema"),
+        (["reward=ocr,ocr:0.5"], "'reward' must be a list of distinct rewards"),
+        # window: 10 steps with a deterministic last step leave 9 stochastic steps
+        (["sample.window_size=2", "sample.window_hi=10"], "'sample.window_hi' must be <= 9"),
+        (
+            ["sample.window_size=4", "sample.window_lo=7"],
+            "'sample.window_size' must be <= 2 (window_hi 9 - window_lo 7",
+        ),
+        (["sample.window_size=2", "sample.window_lo=-1"], "'sample.window_lo' must be >= 0"),
+    ],
+)
+def test_out_of_range_names_key_and_range(overrides: list[str], expected: str) -> None:
+    assert expected in _error(*overrides)
+
+
+def test_window_at_the_edge_is_accepted() -> None:
+    cfg = load_config(None, ["sample.window_size=3", "sample.window_lo=6"], check_paths=False)
+    assert (cfg.sample.window_size, cfg.sample.window_lo, cfg.sample.window_hi) == (3, 6, None)
+    cfg = load_config(
+        None, ["sample.window_size=10", "sample.deterministic_last_step=false"], check_paths=False
+    )
+    assert cfg.sample.window_size == 10
+    assert "must be <= 9" in _error("sample.window_size=10")
+
+
+def test_missing_model_path_for_real_presets() -> None:
+    msg = _error(preset="sd3-ocr", check_paths=True)
+    assert msg.startswith(
+        "model.path is required for preset 'sd3-ocr': point it at a local diffusers directory"
+    )
+    assert "model.path is required for preset 'qwen-image-ocr'" in _error(
+        preset="qwen-image-ocr", check_paths=True
+    )
+    assert "does not exist" in _error(
+        "model.path=/no/such/model", preset="flux-pickscore", check_paths=True
+    )
+
+
+def test_missing_and_empty_prompt_files(tmp_path) -> None:
+    missing = tmp_path / "nope.txt"
+    msg = _error(f"model.path={tmp_path}", f"data.train_prompts={missing}", preset="sd3-ocr",
+                 check_paths=True)  # fmt: skip
+    assert msg == f"config key 'data.train_prompts': prompt file {missing} not found"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    msg = _error(f"data.train_prompts={empty}", check_paths=True)
+    assert msg == f"config key 'data.train_prompts': prompt file {empty} is empty"
+    msg = _error(f"model.path={tmp_path}", preset="sd3-ocr", check_paths=True)
+    assert msg.startswith("data.train_prompts is required for preset 'sd3-ocr'")
+    # the dataset loader (what the trainer calls) says the same
+    with pytest.raises(FileNotFoundError, match="prompt file not found: .*nope.txt"):
+        load_prompts(missing)
+    with pytest.raises(ValueError, match="empty.txt contains no prompts"):
+        load_prompts(empty)
+
+
+def test_pickscore_needs_a_model_path(tmp_path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    ok = [f"model.path={tmp_path}", f"data.train_prompts={prompts}"]
+    msg = _error(*ok, preset="flux-pickscore", check_paths=True)
+    assert msg.startswith("reward 'pickscore' needs options.path")
+    assert "reward.pickscore.options.path=" in msg
+    cfg = load_config(
+        "flux-pickscore", [*ok, f"reward.pickscore.options.path={tmp_path}"], command="train"
+    )
+    assert cfg.reward[0].options == {"path": str(tmp_path)}
+
+
+def test_unknown_preset_and_bad_override_syntax() -> None:
+    assert _error(preset="sd3ocr").startswith("unknown preset 'sd3ocr' (did you mean 'sd3-ocr'?")
+    assert _error("trainer.max_steps").startswith("override 'trainer.max_steps' must look like")
+    assert "no reward 'ocr' in the reward list ['digits']" in _error("reward.ocr.weight=2")
+    assert "did you mean 'reward.digits.weight'" in _error("reward.digits.wieght=2")

@@ -1,0 +1,248 @@
+"""Test helpers for the engine: a tiny SD3-transformer adapter without text encoder or VAE,
+trajectory sampling, and the spawned 2-rank job (one spawn runs every sharded check)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = ["a", "b", "c", "d"]
+SIZE = 16  # "pixels" = latent side (identity decode); 8x8 tokens with patch 2
+
+
+class _Pipe:
+    """Just enough of a pipeline for the adapter base class."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+
+
+class TinyAdapter(DiffusionAdapter):
+    """SD3Transformer2DModel (2 blocks) with prompt embeddings from a fixed random table."""
+
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out")
+
+    def __init__(self, seed: int = 0):
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+        g = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer = SD3Transformer2DModel(
+                sample_size=8,
+                patch_size=2,
+                in_channels=4,
+                out_channels=4,
+                num_layers=2,
+                num_attention_heads=2,
+                attention_head_dim=8,
+                joint_attention_dim=16,
+                caption_projection_dim=16,
+                pooled_projection_dim=16,
+                pos_embed_max_size=8,
+            )
+        super().__init__(_Pipe(transformer))
+        self.table = torch.randn(64, 3, 16, generator=g)  # [vocab, L, D]
+        self.pooled = torch.randn(64, 16, generator=g)
+        self.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        ids = torch.tensor([sum(map(ord, p)) % 64 for p in prompts])
+        return PromptEmbeds(self.table[ids], None, self.pooled[ids])
+
+    def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
+        self.scheduler.set_timesteps(num_steps)
+        return Schedule(self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float())
+
+    def prepare_latents(self, batch_size, height, width, generator=None) -> torch.Tensor:
+        return torch.randn(batch_size, 4, height, width, generator=generator)
+
+    def forward(self, transformer, latents, sigma, embeds, *, height, width, guidance_scale):
+        return transformer(
+            hidden_states=latents,
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=embeds.embeds,
+            pooled_projections=embeds.pooled,
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents, height, width) -> torch.Tensor:
+        return latents.float().cpu()
+
+
+def make_trajectory(adapter: DiffusionAdapter, seed: int = 0):
+    """4 samples, 3 steps with the last deterministic -> 2 trained SDE steps, CFG 2.0."""
+    from flowgrpo.rollout import sample_trajectories
+
+    return sample_trajectories(
+        adapter,
+        PROMPTS,
+        num_steps=3,
+        guidance_scale=2.0,
+        noise_level=0.7,
+        height=SIZE,
+        width=SIZE,
+        generator=torch.Generator().manual_seed(seed),
+        decode=False,
+    )
+
+
+ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
+
+
+def make_config(case: str, **over):
+    """Engine configs of the sharded/unsharded comparison cases."""
+    from flowgrpo.engine import EMAConfig, EngineConfig, LoraConfig, LossConfig, OptimConfig
+
+    lora = LoraConfig(enabled=case != "full", rank=4, alpha=8, init="gaussian")
+    # clip_range 0.5 so later optimizer steps (ratio != 1) still carry gradient
+    loss = LossConfig(clip_range=0.5, kl_beta=0.05 if case in ("lora", "full") else 0.0)
+    optim = OptimConfig(lr=1e-2, max_grad_norm=1e6, weight_decay=0.0)
+    if case == "clip":  # eps >> |grad| makes AdamW ~ SGD, so the update scales with the clipping
+        optim.max_grad_norm, optim.eps = 1e-3, 1.0
+    if case == "full":  # Adam turns rounding noise of near-zero grads into ~lr-sized steps
+        optim.lr = 2e-3
+    if case == "lora":
+        optim.lr_schedule, optim.warmup_steps, optim.total_steps = "cosine", 1, 6
+    ema = EMAConfig(enabled=case == "lora", decay=0.9, update_every=1)
+    cfg = EngineConfig(lora=lora, optim=optim, loss=loss, ema=ema, micro_batch_size=2, seed=3)
+    for k, v in over.items():
+        section, _, field = k.partition(".")
+        setattr(getattr(cfg, section), field, v) if field else setattr(cfg, k, v)
+    return cfg
+
+
+def trainable(engine) -> dict[str, torch.Tensor]:
+    """Full (unsharded) trainable params, by name (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in engine.model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def ema_values(engine) -> list[torch.Tensor]:
+    return [e.full_tensor().clone() for e in engine.ema.shadow]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, nprocs: int, *args, join: bool = True):
+    """torch.multiprocessing.spawn with a fresh loopback rendezvous (env vars per child);
+    join=False returns the context to ``join()`` later."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    return mp.spawn(fn, args=(nprocs, port, *args), nprocs=nprocs, join=join)
+
+
+def _setup(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        HF_HUB_OFFLINE="1",
+    )
+    torch.set_num_threads(1)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+
+
+def run_case(
+    case: str,
+    traj,
+    adv,
+    steps: int,
+    *,
+    ckpt: Path | None = None,
+    save_at: int = 0,
+    snapshots=(),
+    **over,
+) -> dict:
+    """Build a fresh engine, train ``steps`` calls, optionally save at ``save_at``; returns
+    {"params@k": ..., "metrics": [...], "ema@k": ...} for k in ``snapshots``."""
+    from flowgrpo.engine import DiffusersFSDPEngine, save_checkpoint
+
+    engine = DiffusersFSDPEngine(TinyAdapter(), make_config(case, **over))
+    out: dict = {"metrics": []}
+    if 0 in snapshots:
+        out["params@0"] = trainable(engine)
+    for k in range(1, steps + 1):
+        out["metrics"].append(engine.train_step(traj, adv))
+        if k in snapshots:
+            out[f"params@{k}"] = trainable(engine)
+            if engine.ema is not None:
+                out[f"ema@{k}"] = ema_values(engine)
+        if ckpt is not None and k == save_at:
+            save_checkpoint(engine, ckpt, k, extra={"pos": k}, keep_last=2)
+    return out
+
+
+def sharded_job(rank: int, world: int, port: int, workdir: str) -> None:
+    """The 2-rank half of the equivalence tests: each rank trains on its half of the batch."""
+    _setup(rank, world, port)
+    from flowgrpo.engine import cleanup, init_distributed
+
+    init_distributed()
+    work = Path(workdir)
+    traj = torch.load(work / "traj.pt", weights_only=False)
+    per = len(traj) // world
+    rows = list(range(rank * per, (rank + 1) * per))
+    local, adv = traj.select(rows), ADVANTAGES[rows]
+    results = {
+        # LoRA + KL + EMA + cosine; activation checkpointing on here only (must not matter)
+        "lora": run_case(
+            "lora",
+            local,
+            adv,
+            4,
+            ckpt=work / "ckpt2",
+            save_at=2,
+            snapshots=(3, 4),
+            **{"fsdp.activation_checkpointing": True},
+        ),
+        # full fine-tune + KL (frozen sharded reference copy); CPU offload here only
+        "full": run_case("full", local, adv, 3, snapshots=(3,), **{"fsdp.cpu_offload": True}),
+        "clip": run_case("clip", local, adv, 2, snapshots=(2,)),
+        # HSDP: mesh (replicate=2, shard=1)
+        "hsdp": run_case("clip", local, adv, 2, snapshots=(2,), **{"fsdp.replicate_degree": 2}),
+    }
+    from flowgrpo.engine import dist as fdist
+
+    results["dist"] = {
+        "gathered": fdist.all_gather_tensor(torch.arange(rank + 2.0)),  # uneven lengths
+        "objects": fdist.all_gather_object({"rank": rank}),
+        "mean": fdist.all_reduce_mean(torch.tensor([float(rank)])),
+        "info": init_distributed(),
+        "main": fdist.is_main_process(),
+    }
+    if rank == 0:
+        torch.save(results, work / "sharded.pt")
+    cleanup()
+
+
+_INITIAL: dict = {}
+
+
+def trainable_initial(case: str) -> dict[str, torch.Tensor]:
+    """Trainable params of a fresh engine of ``case`` before any step (cached)."""
+    from flowgrpo.engine import DiffusersFSDPEngine
+
+    if case not in _INITIAL:
+        _INITIAL[case] = trainable(DiffusersFSDPEngine(TinyAdapter(), make_config(case)))
+    return _INITIAL[case]

@@ -1,0 +1,142 @@
+"""Adapter dispatch by pipeline class, and loading pipelines from local directories."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
+
+from flowgrpo.models import registry
+from flowgrpo.models.registry import (
+    SUPPORTED_PIPELINES,
+    build_adapter,
+    load_pipeline,
+    resolve_adapter_path,
+)
+from flowgrpo.models.tiny import TINY_KINDS, tiny_pipeline, tiny_size
+
+
+def test_dispatch_table_resolves_names_and_subclasses():
+    assert resolve_adapter_path(QwenImagePipeline) == "flowgrpo.models.qwen_image:QwenImageAdapter"
+    assert resolve_adapter_path(StableDiffusion3Pipeline) == "flowgrpo.models.sd3:SD3Adapter"
+    assert resolve_adapter_path(FluxPipeline) == "flowgrpo.models.flux:FluxAdapter"
+    assert SUPPORTED_PIPELINES["ToyDigitsPipeline"] == "flowgrpo.models.toy:ToyAdapter"
+
+    class MyFlux(FluxPipeline):
+        pass
+
+    assert resolve_adapter_path(MyFlux) == SUPPORTED_PIPELINES["FluxPipeline"]
+
+
+def test_build_adapter_imports_lazily_and_passes_kwargs(monkeypatch):
+    module = types.ModuleType("fake_adapter_mod")
+
+    class FakeAdapter:
+        def __init__(self, pipe, **kwargs):
+            self.pipe, self.kwargs = pipe, kwargs
+
+    module.FakeAdapter = FakeAdapter
+    monkeypatch.setitem(sys.modules, "fake_adapter_mod", module)
+    monkeypatch.setitem(
+        registry.SUPPORTED_PIPELINES, "FakePipeline", "fake_adapter_mod:FakeAdapter"
+    )
+
+    class FakePipeline:
+        pass
+
+    class SubFake(FakePipeline):
+        pass
+
+    pipe = SubFake()
+    adapter = build_adapter(pipe, dtype="fp32")
+    assert isinstance(adapter, FakeAdapter) and adapter.pipe is pipe
+    assert adapter.kwargs == {"dtype": "fp32"}
+
+
+def test_build_adapter_unsupported_class():
+    class StableDiffusionXLPipeline:
+        pass
+
+    with pytest.raises(ValueError) as err:
+        build_adapter(StableDiffusionXLPipeline())
+    msg = str(err.value)
+    assert "'StableDiffusionXLPipeline'" in msg
+    for name in SUPPORTED_PIPELINES:
+        assert name in msg
+
+
+def test_load_pipeline_errors(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"model.path '{missing}' does not exist"):
+        load_pipeline(missing)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="is not a diffusers pipeline directory"):
+        load_pipeline(empty)
+    a_file = tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"no model_index\.json"):
+        load_pipeline(a_file)
+
+    # Unsupported class: rejected from model_index.json alone (no component folders exist).
+    sdxl = tmp_path / "sdxl"
+    sdxl.mkdir()
+    (sdxl / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ValueError) as err:
+        load_pipeline(sdxl)
+    msg = str(err.value)
+    assert "unsupported pipeline 'StableDiffusionXLPipeline'" in msg
+    assert all(name in msg for name in SUPPORTED_PIPELINES)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model_index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_pipeline(broken)
+
+
+def test_load_pipeline_finds_custom_classes_beside_their_adapter(monkeypatch, tmp_path):
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+    class CustomPipeline(DiffusionPipeline):
+        def __init__(self, scheduler):
+            super().__init__()
+            self.register_modules(scheduler=scheduler)
+
+    module = types.ModuleType("fake_custom_mod")
+    module.CustomPipeline = CustomPipeline
+    monkeypatch.setitem(sys.modules, "fake_custom_mod", module)
+    monkeypatch.setitem(registry.SUPPORTED_PIPELINES, "CustomPipeline", "fake_custom_mod:Adapter")
+    CustomPipeline(FlowMatchEulerDiscreteScheduler(shift=2.0)).save_pretrained(tmp_path)
+    loaded = load_pipeline(tmp_path)
+    assert type(loaded) is CustomPipeline and loaded.scheduler.config.shift == 2.0
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_save_then_load_pipeline_reproduces_latents(kind, tmp_path):
+    pipe = tiny_pipeline(kind)
+    height, width = tiny_size(kind)
+    kwargs = dict(prompt=["a cat"], num_inference_steps=2, height=height, width=width)
+    kwargs["output_type"] = "latent"
+    if kind == "qwen_image":
+        kwargs.update(true_cfg_scale=3.0, negative_prompt=["blurry"])
+    else:
+        kwargs.update(guidance_scale=4.0, max_sequence_length=16)
+
+    def run(p):
+        return p(generator=torch.Generator().manual_seed(3), **kwargs).images
+
+    expected = run(pipe)
+    pipe.save_pretrained(tmp_path)
+    loaded = load_pipeline(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded) is type(pipe)
+    # Not bitwise: safetensors-mmapped weights are not 64-byte aligned, so BLAS may sum in
+    # another order (~1e-7). Cloning the parameters restores bitwise equality.
+    assert (run(loaded) - expected).abs().max() < 1e-5
+    if kind == "sd3":
+        half = load_pipeline(tmp_path, torch_dtype=torch.bfloat16)
+        assert half.transformer.dtype == torch.bfloat16
