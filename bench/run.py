@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if "sharding" in sections:
         from bench.sharding import bench_sharding
 
-        results["sharding"] = {"toy": bench_sharding(s, quick=args.quick)}
+        results["sharding"] = {"sd3": bench_sharding(s, quick=args.quick)}
     if "toy" in sections:
         from bench.toy import bench_toy
 

@@ -1,34 +1,36 @@
-"""FSDP2 training engine for diffusers transformers: LoRA or full, DCP checkpoints, exports."""
+"""FSDP2 training engine for diffusers transformers: LoRA or full, DCP checkpoints, exports.
 
-from flowgrpo.engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from flowgrpo.engine.config import (
-    EMAConfig,
-    EngineConfig,
-    FSDPConfig,
-    LoraConfig,
-    LossConfig,
-    OptimConfig,
-)
-from flowgrpo.engine.dist import DistInfo, build_mesh, cleanup, init_distributed, seed_everything
-from flowgrpo.engine.ema import EMA
-from flowgrpo.engine.fsdp import DiffusersFSDPEngine, merge_lora
+Names are imported lazily so that reading a config (``flowgrpo.engine.config``) does not pay
+for importing torch.distributed, peft and diffusers.
+"""
 
-__all__ = [
-    "EMA",
-    "DiffusersFSDPEngine",
-    "DistInfo",
-    "EMAConfig",
-    "EngineConfig",
-    "FSDPConfig",
-    "LoraConfig",
-    "LossConfig",
-    "OptimConfig",
-    "build_mesh",
-    "cleanup",
-    "init_distributed",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "merge_lora",
-    "save_checkpoint",
-    "seed_everything",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "EMAConfig": "config",
+    "EngineConfig": "config",
+    "FSDPConfig": "config",
+    "LoraConfig": "config",
+    "LossConfig": "config",
+    "OptimConfig": "config",
+    "DistInfo": "dist",
+    "build_mesh": "dist",
+    "cleanup": "dist",
+    "init_distributed": "dist",
+    "seed_everything": "dist",
+    "EMA": "ema",
+    "DiffusersFSDPEngine": "fsdp",
+    "merge_lora": "fsdp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flowgrpo.engine' has no attribute {name!r}")
+    return getattr(import_module(f"flowgrpo.engine.{_EXPORTS[name]}"), name)

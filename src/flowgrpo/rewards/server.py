@@ -47,6 +47,15 @@ class RewardHTTPServer(ThreadingHTTPServer):
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that gave up (timeout) is not a server error: log it, skip the traceback."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            log.info("client %s disconnected before the answer was sent", client_address)
+            return
+        super().handle_error(request, client_address)
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]

@@ -1,0 +1,50 @@
+"""The benchmark runs end to end at a tiny size and writes every field (no timing asserts)."""
+
+import json
+
+import pytest
+
+from bench.run import KINDS, TARGETS, main
+
+ROLLOUT = {
+    "transformer_calls",
+    "sampler_s",
+    "floor_s",
+    "pipeline_s",
+    "sampler_over_floor",
+    "sampler_over_pipeline",
+}
+TRAINING = {"F_s", "FB_s", "B_s", "train_s", "train_over_floor"}
+CFG_TRAINING = {
+    "cfg_train_s",
+    "cfg_batched_s",
+    "cfg_train_over_floor",
+    "cfg_train_over_batched",
+    "cfg_kl_train_s",
+    "cfg_kl_batched_s",
+    "cfg_kl_train_over_floor",
+    "cfg_kl_train_over_batched",
+}
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_every_field(tmp_path):
+    out = tmp_path / "results.json"
+    assert (
+        main(["--quick", "--out", str(out), "--sections", "rollout,batched_cfg,training,sharding"])
+        == 0
+    )
+    results = json.loads(out.read_text())
+    assert {"torch", "diffusers", "cpu_count", "python"} <= set(results["machine"])
+    for kind in KINDS:
+        assert ROLLOUT <= set(results["rollout"][kind])
+        assert {"batched_s", "separate_s", "batched_cfg_speedup"} <= set(
+            results["batched_cfg"][kind]
+        )
+        expected = TRAINING | (CFG_TRAINING if kind != "flux" else set())
+        assert expected <= set(results["training"][kind])
+        for value in results["rollout"][kind].values():
+            assert value > 0
+    assert "two_rank_per_sample_over_one_rank" in results["sharding"]["sd3"]
+    figures = {row["figure"] for row in results["targets"]}
+    assert figures == set(TARGETS)
