@@ -1,0 +1,300 @@
+"""The Flow-GRPO training loop, readable top to bottom.
+
+One step: draw m prompts x K (the groups) -> this rank's share -> SDE rollout without grad,
+per-sample noise seeded from (seed, step, global sample index) -> rewards -> all-gather ->
+group-relative advantages on the global batch -> this rank's slice -> ``engine.train_step``.
+Everything a step does is a function of (seed, step, restored state), so a resumed run repeats
+a straight run exactly. Eval uses the ODE sampler on fixed prompts with fixed noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgrpo.algo import reward_stats, zero_std_ratio
+from flowgrpo.engine import dist as D
+from flowgrpo.rewards import AsyncRewardScorer
+from flowgrpo.rollout import Trajectory, sample_trajectories
+from flowgrpo.trainer import setup as S
+from flowgrpo.trainer.logging import (
+    RunLogger,
+    save_grid,
+    save_images,
+    write_final_report,
+)
+
+
+class Run:
+    """Everything built once from the config: adapter, engine, rewards, prompt streams."""
+
+    def __init__(self, cfg: Any, dist: D.DistInfo) -> None:
+        self.cfg, self.dist = cfg, dist
+        self.adapter = S.build_adapter_for(cfg, dist)
+        self.engine = S.build_engine(cfg, self.adapter, dist)
+        self.reward = S.build_rewards(cfg)
+        self.train_data, self.sampler, self.eval_set = S.build_data(cfg, dist)
+        self.window = S.sde_window(cfg)
+        # eval images shown in grid_before/after.png: one row per prompt, one column per seed
+        self.grid_index, self.grid_cols = S.grid_layout(
+            len(self.eval_set), cfg.data.eval_samples_per_prompt
+        )
+
+    def ema(self, on: bool = True) -> contextlib.AbstractContextManager:
+        """EMA weights inside the block when EMA is on (and ``on``)."""
+        return (
+            self.engine.ema_weights() if on and self.cfg.ema.enabled else contextlib.nullcontext()
+        )
+
+
+# -- rollout + reward + update -----------------------------------------------------------------
+
+
+def rollout(
+    run: Run,
+    prompts: list[str],
+    indices: list[int],
+    step: int,
+    *,
+    eval: bool = False,
+    on_chunk: Callable[[Trajectory, slice], None] | None = None,
+) -> Trajectory:
+    """Sample ``prompts`` in chunks of ``sample.rollout_batch_size``; sample i's noise comes
+    from (seed, step, indices[i]). Eval: ODE with the eval steps/guidance. ``on_chunk(traj,
+    rows)`` is called as each chunk finishes (async reward scoring)."""
+    s, m, parts = run.cfg.sample, run.cfg.model, []
+    guidance = s.guidance_scale
+    if eval and s.eval_guidance_scale is not None:
+        guidance = s.eval_guidance_scale
+    chunk = max(1, s.rollout_batch_size)
+    for lo in range(0, len(prompts), chunk):
+        rows = slice(lo, lo + chunk)
+        gens = S.generators(run.cfg.seed, step, indices[rows], run.dist.device)
+        traj = sample_trajectories(
+            run.adapter,
+            prompts[rows],
+            num_steps=s.eval_num_steps if eval else s.num_steps,
+            guidance_scale=guidance,
+            noise_level=0.0 if eval else s.noise_level,
+            sde_type=s.sde_type,
+            height=m.height,
+            width=m.width,
+            generator=gens,
+            sde_window=None if eval else run.window,
+            negative_prompts=[s.negative_prompt] * len(gens) if s.negative_prompt else None,
+            timestep_fraction=1.0 if eval else s.timestep_fraction,
+            deterministic_last_step=s.deterministic_last_step,
+        )
+        if on_chunk is not None:
+            on_chunk(traj, rows)
+        parts.append(traj)
+    return Trajectory.cat(parts)
+
+
+def score(run: Run, prompts: list[str], metadata: list[dict], indices: list[int], step: int):
+    """Rollout + rewards of this rank's samples -> (trajectory, {name: [n]}, reward seconds).
+    With ``advantage.async_reward`` chunks are scored in a thread while the next one samples."""
+    if not run.cfg.advantage.async_reward:
+        with run.ema(run.cfg.sample.use_ema_for_rollout):
+            traj = rollout(run, prompts, indices, step)
+        t = time.perf_counter()
+        return traj, run.reward(traj.images, prompts, metadata), time.perf_counter() - t
+    futures = []
+    with AsyncRewardScorer(run.reward) as scorer, run.ema(run.cfg.sample.use_ema_for_rollout):
+        traj = rollout(
+            run,
+            prompts,
+            indices,
+            step,
+            on_chunk=lambda tr, rows: futures.append(
+                scorer.submit(tr.images, prompts[rows], metadata[rows])
+            ),
+        )
+        t = time.perf_counter()
+        parts = [f.result() for f in futures]
+    rewards = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return traj, rewards, time.perf_counter() - t
+
+
+def gather_rewards(rewards: dict[str, torch.Tensor], device: torch.device):
+    """{name: [n_local]} -> {name: [N]} over all ranks (rank order = global sample order)."""
+    return {k: D.all_gather_tensor(v.to(device)).cpu() for k, v in sorted(rewards.items())}
+
+
+def train_one_step(run: Run, step: int) -> dict[str, Any]:
+    """Step ``step`` (1-based): rollout, rewards, advantages, update. Returns its metrics."""
+    cfg, dist = run.cfg, run.dist
+    t0 = time.perf_counter()
+    indices, groups = run.sampler.global_step_samples(step - 1)  # all ranks, groups of K
+    start, count = S.shard(len(indices), dist)
+    mine = list(range(start, start + count))  # this rank's global sample numbers
+    prompts, metadata = run.train_data.select(indices[start : start + count])
+    traj, local, reward_s = score(run, prompts, metadata, mine, step)
+    t2 = time.perf_counter()
+    rewards = gather_rewards(local, dist.device)
+    group_ids = torch.tensor(groups)
+    combined = run.reward.combine(
+        rewards, group_ids, mode=cfg.advantage.mode, global_std=cfg.advantage.global_std
+    )
+    advantages = combined.advantages[start : start + count].to(dist.device)
+    train_metrics = run.engine.train_step(traj, advantages)
+    run.sampler.step = step
+    t3 = time.perf_counter()
+    return {
+        "reward_mean": float(combined.reward.mean()),
+        "reward_std": float(combined.reward.std(unbiased=False)),
+        **reward_stats(rewards, group_ids),
+        "zero_std_ratio": zero_std_ratio(combined.reward, group_ids),
+        "advantage_abs_mean": float(combined.advantages.abs().mean()),
+        **{f"train/{k}": float(v) for k, v in train_metrics.items()},
+        "time/rollout_s": t2 - t0 - reward_s,
+        "time/reward_s": reward_s,
+        "time/train_s": t3 - t2,
+        "time/step_s": t3 - t0,
+        "images_per_s": len(indices) / max(t3 - t0, 1e-9),
+    }
+
+
+# -- eval ------------------------------------------------------------------------------------
+
+
+def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
+    """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
+    images of ``run.grid_index`` [n, C, H, W] on rank 0, empty elsewhere)."""
+    ev = run.eval_set
+    idx, real = S.padded_shard(len(ev), run.dist)
+    prompts, metadata = ev.select(idx)
+    with run.ema():
+        images = rollout(run, prompts, idx, S.EVAL_SALT, eval=True).images[:real]
+    local = run.reward(images, prompts[:real], metadata[:real])
+    rewards = gather_rewards(local, run.dist.device)
+    total = sum(run.reward.weights.get(k, 0.0) * v for k, v in rewards.items())
+    out = {"eval/reward_mean": float(total.mean())}
+    out.update({f"eval/{k}_mean": float(v.mean()) for k, v in rewards.items()})
+    keep = [i for i, g in enumerate(idx[:real]) if g in run.grid_index]
+    shown = D.all_gather_object((images[keep] * 255).round().to(torch.uint8))
+    if S.is_toy(run.cfg):  # tiny images: gather all of them for the toy's extra metrics
+        every = torch.cat(D.all_gather_object(images))
+        out.update(S.toy_eval_metrics(every, ev.prompts, ev.metadata))
+    grid = torch.cat(shown).float() / 255 if run.dist.is_main else torch.empty(0)
+    return out, grid
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+def run_training(cfg: Any) -> dict[str, Any]:
+    """Train per ``cfg``; returns {"base": eval metrics, "final": eval metrics, "steps",
+    "samples", "wall_s", "output_dir", paths of the figures}."""
+    wall0 = time.perf_counter()
+    dist = D.init_distributed()
+    D.seed_everything(cfg.seed, dist.rank)
+    run = Run(cfg, dist)
+    out = S.output_dir(cfg)
+    ckpt_root, tr = out / "checkpoints", cfg.trainer
+    from flowgrpo.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    state: dict[str, Any] = {"step": 0, "samples": 0, "base_eval": None}
+    resume_from = S.resolve_resume(tr.resume, ckpt_root)
+    if resume_from is not None:
+        _, extra = load_checkpoint(run.engine, resume_from)
+        state.update(extra or {})
+        run.sampler.load_state_dict(state["sampler"])
+    global_batch = S.global_batch_size(cfg)
+    logger = RunLogger(
+        out,
+        enabled=dist.is_main,
+        total_steps=tr.max_steps,
+        start_step=state["step"],
+        tensorboard=cfg.run.tensorboard,
+        wandb=cfg.run.wandb_mode if cfg.run.wandb else None,
+        wandb_project=cfg.run.wandb_project,
+        run_name=cfg.run.name,
+        config=S.config_dict(cfg),
+        progress=cfg.run.progress_bar,
+        log_every=tr.log_every,
+    )
+    if resume_from is not None:
+        logger.write(f"resumed from {resume_from} at step {state['step']}")
+    if state["base_eval"] is None:  # step 0: the base model
+        state["base_eval"], grid = evaluate(run)
+        logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})
+        if dist.is_main:
+            save_grid(grid, out / "grid_before.png", nrow=run.grid_cols)
+            logger.log_images("eval/images", grid, 0, nrow=run.grid_cols)
+    final_eval, grid = None, None
+    while state["step"] < tr.max_steps:
+        step = state["step"] + 1
+        metrics = train_one_step(run, step)
+        state.update(step=step, samples=state["samples"] + global_batch)
+        state["sampler"] = run.sampler.state_dict()
+        row = {"step": step, "samples": state["samples"], **metrics}
+        if _due(step, tr.eval_every, tr.max_steps):
+            final_eval, grid = evaluate(run)
+            row.update(final_eval)
+            logger.log_eval({"step": step, "samples": state["samples"], **final_eval})
+            logger.log_images("eval/images", grid, step, nrow=run.grid_cols)
+        logger.log_step(row)
+        if _due(step, tr.save_every, tr.max_steps):
+            save_checkpoint(run.engine, ckpt_root, step, extra=dict(state), keep_last=tr.keep_last)
+    if final_eval is None:  # resumed at the end already: evaluate the final weights again
+        final_eval, grid = evaluate(run)
+    summary: dict[str, Any] = {
+        "base": state["base_eval"],
+        "final": final_eval,
+        "steps": state["step"],
+        "samples": state["samples"],
+        "wall_s": time.perf_counter() - wall0,
+        "output_dir": str(out),
+        "resumed_from": None if resume_from is None else str(resume_from),
+    }
+    if dist.is_main:  # grid_after.png, reward_curve.png and the base-vs-final table
+        summary.update(write_final_report(out, grid, run.grid_cols, summary, logger))
+    logger.close()
+    D.barrier()
+    return summary
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """Eval / save at every ``every``-th step (0 = never) and at the last step."""
+    return step == last or (every > 0 and step % every == 0)
+
+
+# -- sample / eval / export from a checkpoint --------------------------------------------------
+
+
+def _restored(cfg: Any, checkpoint: str | Path | None) -> Run:
+    run = Run(cfg, D.init_distributed())
+    if checkpoint is not None:
+        from flowgrpo.engine.checkpoint import load_checkpoint
+
+        load_checkpoint(run.engine, S.resolve_checkpoint(checkpoint))
+    return run
+
+
+def run_sample(
+    cfg: Any, checkpoint: str | Path | None, prompts: list[str], out_dir: str | Path
+) -> list[Path]:
+    """ODE samples (eval steps/guidance) of ``prompts`` from the base model or a checkpoint,
+    one PNG each in ``out_dir``; sample i's noise comes from (seed, i)."""
+    if not prompts:
+        raise ValueError("run_sample needs at least one prompt")
+    run = _restored(cfg, checkpoint)
+    with run.ema():
+        images = rollout(run, list(prompts), list(range(len(prompts))), S.SAMPLE_SALT, eval=True)
+    return save_images(images.images, out_dir) if run.dist.is_main else []
+
+
+def run_eval(cfg: Any, checkpoint: str | Path | None) -> dict[str, float]:
+    """Eval metrics (``eval/...``) of the base model or a checkpoint on the eval prompts."""
+    return evaluate(_restored(cfg, checkpoint))[0]
+
+
+def run_export_lora(cfg: Any, checkpoint: str | Path, out_file: str | Path) -> Path:
+    """Write the checkpoint's LoRA as a diffusers-loadable safetensors file."""
+    return Path(_restored(cfg, checkpoint).engine.export_lora(out_file))

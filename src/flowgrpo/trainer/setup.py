@@ -1,0 +1,202 @@
+"""Build what the loop needs from a ``Config``: the adapter, the engine, the rewards, the prompt
+streams, and the per-sample random generators that make every step a pure function of
+(seed, step, restored state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgrpo.engine.dist import DistInfo
+from flowgrpo.rollout import SDEWindow
+
+EVAL_SALT = 0x5EED_E7A1  # stream of the fixed eval noise (independent of the step)
+SAMPLE_SALT = 0x5A4D_91E0  # stream of `flowgrpo sample`
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """A 63-bit seed for sample ``index`` of ``step`` (splitmix64-style mixing, no collisions
+    between neighbouring (step, index) pairs in practice)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + int(index)) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) % 2**63
+
+
+def generators(
+    seed: int, step: int, indices: list[int], device: torch.device | str
+) -> list[torch.Generator]:
+    """One generator per sample, seeded from (seed, step, global sample index): a sample's
+    noise is the same whatever the batch, the rank or a resume."""
+    out = []
+    for i in indices:
+        g = torch.Generator(device=device)
+        g.manual_seed(sample_seed(seed, step, i))
+        out.append(g)
+    return out
+
+
+def sde_window(cfg: Any) -> SDEWindow | None:
+    """SDEWindow from ``sample.window_size`` (0 = off), ``window_lo``, ``window_hi``."""
+    s = cfg.sample
+    return SDEWindow(s.window_size, s.window_lo, s.window_hi) if s.window_size > 0 else None
+
+
+def is_toy(cfg: Any) -> bool:
+    return cfg.model.kind == "toy"
+
+
+def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
+    """The pipeline (the shipped toy, or a local diffusers directory at ``model.path``) wrapped
+    in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32)."""
+    from flowgrpo.models.registry import build_adapter, load_pipeline
+
+    dtype = _DTYPES.get(cfg.model.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    if is_toy(cfg):
+        from flowgrpo.models.toy import ToyDigitsPipeline, toy_pipeline
+
+        if cfg.model.path:
+            pipe = ToyDigitsPipeline.from_pretrained(cfg.model.path)
+        else:
+            pipe = toy_pipeline(pretrained=cfg.model.pretrained, seed=cfg.seed)
+        if dtype != torch.float32:
+            pipe.to(dtype=dtype)
+    else:
+        if not cfg.model.path:
+            raise ValueError(f"model.path is required for model.kind={cfg.model.kind!r}")
+        pipe = load_pipeline(cfg.model.path, torch_dtype=dtype)
+    if dist.device.type != "cpu":
+        pipe.to(dist.device)
+    return build_adapter(pipe)
+
+
+def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> Any:
+    from flowgrpo.config.schema import engine_config
+    from flowgrpo.engine.fsdp import DiffusersFSDPEngine
+
+    return DiffusersFSDPEngine(adapter, engine_config(cfg), dist)
+
+
+def build_rewards(cfg: Any) -> Any:
+    """MultiReward from ``cfg.reward`` (list of RewardConfig {name, weight, options, ...})."""
+    from dataclasses import asdict, is_dataclass
+
+    from flowgrpo.rewards import MultiReward
+
+    return MultiReward([asdict(r) if is_dataclass(r) else r for r in cfg.reward])
+
+
+def build_data(cfg: Any, dist: DistInfo) -> tuple[Any, Any, Any]:
+    """(train PromptDataset, KRepeatSampler, eval PromptDataset with each eval prompt repeated
+    ``data.eval_samples_per_prompt`` times)."""
+    from flowgrpo.data.prompts import KRepeatSampler, prompt_splits, repeat_for_eval
+
+    train, ev = prompt_splits(cfg.data, cfg.seed)
+    sampler = KRepeatSampler(
+        len(train),
+        cfg.sample.prompts_per_step,
+        cfg.sample.group_size,
+        world_size=dist.world_size,
+        rank=dist.rank,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    return train, sampler, repeat_for_eval(ev, max(1, cfg.data.eval_samples_per_prompt))
+
+
+def global_batch_size(cfg: Any) -> int:
+    return cfg.sample.prompts_per_step * cfg.sample.group_size
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    from flowgrpo.config.schema import config_to_dict
+
+    return config_to_dict(cfg)
+
+
+def shard(n: int, dist: DistInfo) -> tuple[int, int]:
+    """Equal contiguous share of n items for this rank: (start, count); n must divide."""
+    if n % dist.world_size:
+        raise ValueError(
+            f"the global batch ({n} images) must divide evenly over {dist.world_size} ranks: "
+            "adjust data.prompts_per_step or data.group_size"
+        )
+    count = n // dist.world_size
+    return dist.rank * count, count
+
+
+def padded_shard(n: int, dist: DistInfo) -> tuple[list[int], int]:
+    """This rank's share of n items as (indices, number of real ones): padded by repeating an
+    index to ceil(n / W) so every rank runs the same number of forwards (FSDP collectives
+    must match); the padding's results are dropped."""
+    per = -(-n // dist.world_size)
+    idx = list(range(dist.rank * per, min(n, (dist.rank + 1) * per)))
+    real = len(idx)
+    fill = idx[-1] if idx else n - 1
+    return idx + [fill] * (per - real), real
+
+
+def grid_layout(n: int, samples_per_prompt: int, cap: int = 64) -> tuple[set[int], int]:
+    """Eval images for the grids when the eval set is each prompt ``samples_per_prompt`` times
+    in a row: (their indices, columns). Few prompts: one row per prompt, one column per seed.
+    Many prompts (or one sample each): the first seed of up to ``cap`` prompts, 8 columns."""
+    per = max(1, samples_per_prompt)
+    prompts = max(1, n // per)
+    if per == 1 or 2 * prompts > cap:
+        firsts = list(range(0, n, per))[:cap]
+        return set(firsts), min(8, len(firsts))
+    cols = min(per, cap // prompts)
+    return {p * per + j for p in range(prompts) for j in range(cols)}, cols
+
+
+def output_dir(cfg: Any) -> Path:
+    return Path(cfg.run.output_dir)
+
+
+def toy_eval_metrics(
+    images: torch.Tensor, prompts: list[str], metadata: list[dict]
+) -> dict[str, float]:
+    """The toy's hacking-aware figures for images [N, 1, 8, 8]: reward-classifier accuracy,
+    independent judge (SVC) accuracy, and diversity (per-pixel std across seeds per digit)."""
+    from flowgrpo.rewards.digits import digits_accuracy, digits_judge, diversity, target_digits
+
+    digits = target_digits(prompts, metadata)
+    return {
+        "eval/accuracy": digits_accuracy(images, digits),
+        "eval/judge_accuracy": digits_judge(images, digits),
+        "eval/diversity": diversity(images, digits),
+    }
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run / checkpoints directory -> its newest complete one."""
+    from flowgrpo.engine.checkpoint import latest_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    for root in (p / "checkpoints", p):
+        found = latest_checkpoint(root) if root.is_dir() else None
+        if found is not None and Path(found) != p and Path(found).parent == root:
+            return Path(found)
+    return p
+
+
+def resolve_resume(resume: Any, ckpt_root: Path) -> Path | None:
+    """trainer.resume: None/""/false -> fresh run; "auto" -> newest complete checkpoint under
+    ``ckpt_root`` (fresh run if none); anything else -> that checkpoint path (must exist)."""
+    from flowgrpo.engine.checkpoint import latest_checkpoint
+
+    if resume in (None, "", False, "none", "false", "never"):
+        return None
+    if resume == "auto":
+        found = latest_checkpoint(ckpt_root) if ckpt_root.is_dir() else None
+        return Path(found) if found is not None else None
+    return resolve_checkpoint(resume)
