@@ -15,12 +15,12 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from bench.timing import median_time, record_calls, replay
+from bench.timing import median_times, record_calls, replay
 
 KINDS = ("qwen_image", "sd3", "flux")
 TARGETS = {
@@ -46,6 +46,7 @@ class BenchSettings:
     repeats: int = 5
     warmup: int = 1
     threads: int = 2
+    device: str = "cpu"
 
 
 QUICK = BenchSettings(height=32, width=32, batch=2, num_steps=3, trained_steps=1, repeats=1)
@@ -58,13 +59,26 @@ def _guidance(kind: str) -> float:
 def _setup(kind: str, s: BenchSettings):
     from flowgrpo.models import build_adapter, tiny_pipeline
 
-    pipe = tiny_pipeline(kind)
+    pipe = tiny_pipeline(kind).to(s.device)
     adapter = build_adapter(pipe)
     prompts = [f"a photo of a red cube number {i}" for i in range(s.batch)]
     negatives = ["blurry"] * s.batch
     gen = torch.Generator().manual_seed(0)
     latents = adapter.prepare_latents(s.batch, s.height, s.width, gen)
     return pipe, adapter, prompts, negatives, latents
+
+
+class FreeTransformer(torch.nn.Module):
+    """Stands in for a transformer at zero cost (returns zeros): timing the sampler with it
+    measures exactly what the sampler adds around the forwards."""
+
+    def __init__(self, real: torch.nn.Module):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # adapters read the param dtype
+        self.config = real.config
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        return (torch.zeros_like(hidden_states),)
 
 
 def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
@@ -74,7 +88,7 @@ def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
     pipe, adapter, prompts, negatives, latents = _setup(kind, s)
     g = _guidance(kind)
 
-    def sampler():
+    def sampler(transformer=None):
         return sample_trajectories(
             adapter,
             prompts,
@@ -87,7 +101,13 @@ def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
             latents=latents,
             generator=torch.Generator().manual_seed(1),
             decode=False,
+            transformer=transformer,
         )
+
+    free = FreeTransformer(pipe.transformer)
+
+    def overhead():
+        sampler(free)
 
     with record_calls(pipe.transformer) as calls:
         sampler()
@@ -95,6 +115,9 @@ def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
     @torch.no_grad()
     def floor():
         replay(pipe.transformer, calls)
+
+    def encode():  # the text encoders' share of the sampler (the pipeline pays it too)
+        adapter.encode(prompts, negatives, guidance_scale=g)
 
     cfg_kw = {"true_cfg_scale": g} if kind == "qwen_image" else {"guidance_scale": g}
 
@@ -110,15 +133,28 @@ def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
             **cfg_kw,
         )
 
-    t_sampler = median_time(sampler, repeats=s.repeats, warmup=s.warmup)
-    t_floor = median_time(floor, repeats=s.repeats, warmup=s.warmup)
-    t_pipe = median_time(pipeline, repeats=s.repeats, warmup=s.warmup)
+    t = median_times(
+        {
+            "sampler": sampler,
+            "floor": floor,
+            "pipeline": pipeline,
+            "encode": encode,
+            "overhead": overhead,
+        },
+        repeats=s.repeats,
+        warmup=s.warmup,
+    )
+    t_sampler, t_floor, t_pipe = t["sampler"], t["floor"], t["pipeline"]
     return {
         "transformer_calls": len(calls),
         "sampler_s": t_sampler,
         "floor_s": t_floor,
         "pipeline_s": t_pipe,
+        "text_encode_s": t["encode"],
         "sampler_over_floor": t_sampler / t_floor,
+        "sampler_over_floor_with_text": t_sampler / (t_floor + t["encode"]),
+        "overhead_s": t["overhead"],
+        "floor_plus_overhead_over_floor": (t_floor + t["overhead"]) / t_floor,
         "sampler_over_pipeline": t_sampler / t_pipe,
     }
 
@@ -145,8 +181,8 @@ def bench_batched_cfg(kind: str, s: BenchSettings) -> dict[str, float]:
         adapter.batch_cfg = False
         adapter.velocity(pipe.transformer, latents, sigma, pos, neg, **kw)
 
-    t_b = median_time(batched, repeats=s.repeats, warmup=s.warmup)
-    t_s = median_time(separate, repeats=s.repeats, warmup=s.warmup)
+    t = median_times({"b": batched, "s": separate}, repeats=s.repeats, warmup=s.warmup)
+    t_b, t_s = t["b"], t["s"]
     adapter.batch_cfg = type(adapter).batch_cfg
     return {"batched_s": t_b, "separate_s": t_s, "batched_cfg_speedup": t_s / t_b}
 
@@ -169,7 +205,7 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
     transformer = pipe.transformer
     transformer.requires_grad_(True)
     params = [p for p in transformer.parameters() if p.requires_grad]
-    advantages = torch.linspace(-1, 1, s.batch)
+    advantages = torch.linspace(-1, 1, s.batch, device=s.device)
     k_steps = s.trained_steps
     out: dict[str, float] = {}
 
@@ -286,20 +322,30 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
         zero()
         outp = transformer(*args, **kwargs)[0]
         if weights is None:
-            weights = torch.randn(outp.shape, generator=torch.Generator().manual_seed(2))
+            weights = torch.randn(outp.shape, generator=torch.Generator().manual_seed(2)).to(
+                outp.device
+            )
         (outp * weights).sum().backward()
 
-    r, w = s.repeats, s.warmup
-    f = median_time(bare_forward, repeats=r, warmup=w)
-    fb = median_time(bare_forward_backward, repeats=r, warmup=w)
-    b = max(fb - f, 0.0)
-    t_plain = median_time(lambda: ours(traj_plain, False), repeats=r, warmup=w)
-    out.update(F_s=f, FB_s=fb, B_s=b, train_s=t_plain, train_over_floor=t_plain / (k_steps * fb))
+    fns = {
+        "f": bare_forward,
+        "fb": bare_forward_backward,
+        "plain": lambda: ours(traj_plain, False),
+    }
     if traj_cfg is not None:  # FLUX.1-dev is guidance-distilled: no unconditional branch
-        t_cfg = median_time(lambda: ours(traj_cfg, False), repeats=r, warmup=w)
-        t_cfg_batched = median_time(lambda: batched(traj_cfg, False), repeats=r, warmup=w)
-        t_kl = median_time(lambda: ours(traj_cfg, True), repeats=r, warmup=w)
-        t_kl_batched = median_time(lambda: batched(traj_cfg, True), repeats=r, warmup=w)
+        fns.update(
+            cfg=lambda: ours(traj_cfg, False),
+            cfg_batched=lambda: batched(traj_cfg, False),
+            kl=lambda: ours(traj_cfg, True),
+            kl_batched=lambda: batched(traj_cfg, True),
+        )
+    t = median_times(fns, repeats=s.repeats, warmup=s.warmup)
+    f, fb, t_plain = t["f"], t["fb"], t["plain"]
+    b = max(fb - f, 0.0)
+    out.update(F_s=f, FB_s=fb, B_s=b, train_s=t_plain, train_over_floor=t_plain / (k_steps * fb))
+    if traj_cfg is not None:
+        t_cfg, t_cfg_batched = t["cfg"], t["cfg_batched"]
+        t_kl, t_kl_batched = t["kl"], t["kl_batched"]
         out.update(
             cfg_train_s=t_cfg,
             cfg_batched_s=t_cfg_batched,
@@ -354,6 +400,9 @@ def check_targets(results: dict) -> list[dict[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny size, one repeat (smoke test)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
+    )
     parser.add_argument("--out", default="bench/results.json", help="where to write the JSON")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
     parser.add_argument(
@@ -362,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of rollout,batched_cfg,training,sharding,toy",
     )
     args = parser.parse_args(argv)
-    s = QUICK if args.quick else BenchSettings()
+    s = replace(QUICK if args.quick else BenchSettings(), device=args.device)
     torch.set_num_threads(s.threads)
     kinds = [k for k in args.kinds.split(",") if k]
     sections = set(args.sections.split(","))
@@ -374,7 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     if "rollout" in sections:
         results["rollout"] = {k: bench_rollout(k, s) for k in kinds}
     if "batched_cfg" in sections:
-        results["batched_cfg"] = {k: bench_batched_cfg(k, s) for k in kinds}
+        # also at 64 image tokens, where a forward is overhead-bound and batching pays
+        small = replace(s, height=32, width=32)
+        results["batched_cfg"] = {
+            k: {
+                **bench_batched_cfg(k, s),
+                **{f"{n}_64_tokens": v for n, v in bench_batched_cfg(k, small).items()},
+            }
+            for k in kinds
+        }
     if "training" in sections:
         results["training"] = {k: bench_training(k, s) for k in kinds}
     if "sharding" in sections:

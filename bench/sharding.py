@@ -65,7 +65,9 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
         adapter,
         EngineConfig(
             lora=LoraConfig(enabled=False),
-            fsdp=FSDPConfig(param_dtype="fp32"),
+            fsdp=FSDPConfig(
+                param_dtype="fp32", reshard_after_forward=settings.get("reshard", True)
+            ),
             micro_batch_size=share,
             num_minibatches=1,
         ),

@@ -27,6 +27,21 @@ def median_time(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> floa
     return statistics.median(times)
 
 
+def median_times(
+    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds of each function, timed in alternation (a, b, c, a, b, c, ...) so that
+    drift in the machine's speed (other processes, clocks) hits every contender alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(median_time(fn, repeats=1, warmup=0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 @contextmanager
 def record_calls(module: torch.nn.Module):
     """Record (args, kwargs) of every call of ``module`` inside the block: the exact inputs

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -22,18 +21,28 @@ def bench_toy(*, quick: bool = False) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"run.output_dir={tmp}", "run.progress_bar=false", "run.tensorboard=false"]
         if quick:
-            overrides += ["trainer.max_steps=2", "trainer.eval_every=1", "trainer.save_every=2"]
+            overrides += [
+                "trainer.max_steps=2",
+                "trainer.eval_every=1",
+                "trainer.save_every=2",
+                "sample.group_size=4",
+                "data.eval_samples_per_prompt=4",
+            ]
         t0 = time.perf_counter()
-        subprocess.run(
+        child = subprocess.Popen(
             [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *overrides],
-            check=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
             stdout=subprocess.DEVNULL,
         )
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak memory
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            raise RuntimeError(f"the toy run failed with exit code {child.returncode}")
         wall = time.perf_counter() - t0
-        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        peak_mb = usage.ru_maxrss / 1024
         rows = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval/accuracy" in r]
+        # eval.jsonl holds every eval, step 0 (the base model) included
+        evals = [json.loads(line) for line in Path(tmp, "eval.jsonl").read_text().splitlines()]
     elapsed, reached = 0.0, None
     for r in rows:
         elapsed += float(r.get("time/step_s", 0.0))
@@ -45,6 +54,10 @@ def bench_toy(*, quick: bool = False) -> dict[str, object]:
         "steps": rows[-1]["step"] if rows else 0,
         "base_accuracy": evals[0]["eval/accuracy"] if evals else None,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "base_judge_accuracy": evals[0].get("eval/judge_accuracy") if evals else None,
+        "final_judge_accuracy": evals[-1].get("eval/judge_accuracy") if evals else None,
+        "base_diversity": evals[0].get("eval/diversity") if evals else None,
+        "final_diversity": evals[-1].get("eval/diversity") if evals else None,
         "target_accuracy": EVAL_TARGET,
         "reached_target": reached,
     }

@@ -82,9 +82,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     cfg = load_config(preset, overrides, command="train")
+    from flowgrpo.engine.dist import cleanup
     from flowgrpo.trainer.flow_grpo import run_training
 
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    finally:
+        cleanup()  # tear the process group down (NCCL warns at exit otherwise)
     return 0
 
 

@@ -13,6 +13,10 @@ ROLLOUT = {
     "pipeline_s",
     "sampler_over_floor",
     "sampler_over_pipeline",
+    "text_encode_s",
+    "sampler_over_floor_with_text",
+    "overhead_s",
+    "floor_plus_overhead_over_floor",
 }
 TRAINING = {"F_s", "FB_s", "B_s", "train_s", "train_over_floor"}
 CFG_TRAINING = {
@@ -31,7 +35,15 @@ CFG_TRAINING = {
 def test_quick_benchmark_writes_every_field(tmp_path):
     out = tmp_path / "results.json"
     assert (
-        main(["--quick", "--out", str(out), "--sections", "rollout,batched_cfg,training,sharding"])
+        main(
+            [
+                "--quick",
+                "--out",
+                str(out),
+                "--sections",
+                "rollout,batched_cfg,training,sharding,toy",
+            ]
+        )
         == 0
     )
     results = json.loads(out.read_text())
@@ -46,5 +58,8 @@ def test_quick_benchmark_writes_every_field(tmp_path):
         for value in results["rollout"][kind].values():
             assert value > 0
     assert "two_rank_per_sample_over_one_rank" in results["sharding"]["sd3"]
+    toy = results["toy"]
+    assert {"wall_s", "peak_rss_mb", "steps", "base_accuracy", "final_accuracy"} <= set(toy)
+    assert toy["steps"] == 2 and toy["peak_rss_mb"] > 0
     figures = {row["figure"] for row in results["targets"]}
     assert figures == set(TARGETS)

@@ -141,6 +141,7 @@ class RunConfig:
     wandb_project: str = "flowgrpo"
     wandb_mode: str = "offline"
     progress_bar: bool = True
+    num_threads: int = 0
 
 
 def _default_rewards() -> list[RewardConfig]:

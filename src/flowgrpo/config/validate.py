@@ -76,6 +76,12 @@ def _check_sample(cfg: Config) -> None:
 
 
 def _check_sections(cfg: Config) -> None:
+    _need(
+        cfg.run.num_threads >= 0,
+        "run.num_threads",
+        ">= 0 (0 = torch's default)",
+        cfg.run.num_threads,
+    )
     m = cfg.model
     _one_of("model.kind", m.kind, MODEL_KINDS)
     _one_of("model.dtype", m.dtype, DTYPES)

@@ -90,6 +90,8 @@ class DiffusionAdapter(ABC):
     lora_target_modules: tuple[str, ...] = ()
     #: run unconditional + conditional branches as one doubled batch when no grad is needed
     batch_cfg: bool = True
+    #: negative prompt used when guidance is on and none is given
+    default_negative_prompt: str = ""
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
@@ -163,12 +165,13 @@ class DiffusionAdapter(ABC):
         *,
         guidance_scale: float = 1.0,
     ) -> tuple[PromptEmbeds, PromptEmbeds | None]:
-        """Positive embeddings and, when guidance is on, the negative ones ("" by default)."""
+        """Positive embeddings and, when guidance is on, the negative ones
+        (``default_negative_prompt`` for each prompt when none are given)."""
         embeds = self.encode_prompts(list(prompts))
         if not self.uses_cfg(guidance_scale):
             return embeds, None
         if negative_prompts is None:
-            negative_prompts = [""] * len(prompts)
+            negative_prompts = [self.default_negative_prompt] * len(prompts)
         if len(negative_prompts) != len(prompts):
             raise ValueError(
                 f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts"

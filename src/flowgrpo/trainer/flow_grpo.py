@@ -35,6 +35,8 @@ class Run:
 
     def __init__(self, cfg: Any, dist: D.DistInfo) -> None:
         self.cfg, self.dist = cfg, dist
+        if cfg.run.num_threads:
+            torch.set_num_threads(cfg.run.num_threads)
         self.adapter = S.build_adapter_for(cfg, dist)
         self.engine = S.build_engine(cfg, self.adapter, dist)
         self.reward = S.build_rewards(cfg)

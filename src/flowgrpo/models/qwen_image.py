@@ -1,0 +1,192 @@
+"""Qwen-Image (diffusers ``QwenImagePipeline``): true CFG with a per-token norm rescale.
+
+Mirrors ``QwenImagePipeline.__call__`` of diffusers 0.42.1 piece by piece:
+
+- prompts go through the chat template and Qwen2.5-VL; the template's first 34 tokens are
+  dropped; embeddings are right-padded with a mask (``max_sequence_length`` 512, the call's
+  default). The pipeline passes ``mask=None`` when no prompt is padded; so does ``forward``.
+- schedule: sigmas = linspace(1, 1/N, N), dynamic shift ``mu = calculate_shift(image tokens,
+  scheduler config)``, then the scheduler's own shifting/stretching (``retrieve_timesteps``).
+- latents are packed 2x2 patches [B, (H/16)(W/16), 64] (tiny: [B, (H/4)(W/4), 16]).
+- the transformer gets ``timestep / 1000`` (i.e. sigma), ``img_shapes`` and the text mask.
+- guidance is "true CFG": comb = v_neg + g (v_pos - v_neg), v = comb * |v_pos| / |comb|, the
+  norms over the channel (last) dim per token. ``guidance_scale`` is the pipeline's
+  ``true_cfg_scale``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+
+
+class QwenImageAdapter(DiffusionAdapter):
+    """Adapter for ``diffusers.QwenImagePipeline``.
+
+    ``batch_cfg`` stays True: in diffusers 0.42.1 the transformer honours
+    ``encoder_hidden_states_mask`` (padded text keys are masked out of the joint attention, text
+    RoPE positions start at 0 for every prompt, and every other text op is per token), so a
+    negative/positive batch padded to a common length gives the unpadded velocities: garbage in
+    padded positions changes nothing (bit-identical), padded vs unpadded differ by fp32 rounding
+    of the masked vs unmasked attention kernel (<= 5e-7 for |v| ~ 2.5; see
+    tests/models/test_qwen_image.py). Micro-batches re-padded to their own longest prompt are
+    therefore batch invariant.
+    """
+
+    lora_target_modules = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    )
+    batch_cfg = True
+    #: what the Flow-GRPO Qwen-Image reference passes as negative prompt when none is given
+    default_negative_prompt = " "
+
+    def __init__(self, pipe: Any, *, max_sequence_length: int = 512):
+        super().__init__(pipe)
+        if max_sequence_length > 1024:
+            raise ValueError(f"max_sequence_length must be <= 1024, got {max_sequence_length}")
+        self.max_sequence_length = max_sequence_length
+
+    # -- text ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Qwen2.5-VL hidden states -> embeds [B, L, D] and mask [B, L] (long, left-aligned)."""
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        device = next(self.pipe.text_encoder.parameters()).device
+        embeds, mask = self.pipe.encode_prompt(
+            list(prompts), device=device, max_sequence_length=self.max_sequence_length
+        )
+        if mask is None:  # the pipeline drops an all-ones mask; keep it so batches can be padded
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return PromptEmbeds(embeds.to(self.device), mask.to(self.device), None)
+
+    # -- schedule and latents -----------------------------------------------------------------
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        """Unpacked latent height/width (even), as the pipeline rounds them."""
+        f = self.pipe.vae_scale_factor
+        return 2 * (int(height) // (f * 2)), 2 * (int(width) // (f * 2))
+
+    def _check_size(self, height: int, width: int) -> None:
+        m = self.pipe.vae_scale_factor * 2
+        if height % m or width % m or height <= 0 or width <= 0:
+            raise ValueError(
+                f"height and width must be positive multiples of {m}, got {height}x{width}"
+            )
+
+    def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
+        """sigmas [N+1] (final 0 included) and timesteps [N], exactly as the pipeline."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self._check_size(height, width)
+        lh, lw = self._latent_hw(height, width)
+        scheduler = copy.deepcopy(self.pipe.scheduler)  # leave the pipeline's state alone
+        cfg = scheduler.config
+        mu = calculate_shift(
+            (lh // 2) * (lw // 2),
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+
+    def prepare_latents(
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """Packed noise [B, (h/2)(w/2), 4 C] drawn as the pipeline draws it (same generator use)."""
+        self._check_size(height, width)
+        channels = self.transformer.config.in_channels // 4
+        dtype = self.pipe.text_encoder.dtype  # the pipeline uses prompt_embeds.dtype
+        return self.pipe.prepare_latents(
+            batch_size, channels, height, width, dtype, self.device, generator
+        )
+
+    # -- the model ----------------------------------------------------------------------------
+    def forward(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: PromptEmbeds,
+        *,
+        height: int,
+        width: int,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """One transformer call on packed latents [B, S, 4C] at sigma [B] -> velocity [B, S, 4C]."""
+        lh, lw = self._latent_hw(height, width)
+        batch = latents.shape[0]
+        if len(embeds) != batch:
+            raise ValueError(f"{len(embeds)} prompt embeddings for a batch of {batch} latents")
+        config = getattr(transformer, "config", self.transformer.config)
+        dtype = next(transformer.parameters()).dtype  # inputs in the transformer's dtype
+        # The scheduler's timestep is sigma * 1000 in fp32; the pipeline casts it to the latents'
+        # dtype and divides by 1000. Done the same way so the transformer sees the same number.
+        t = (sigma.float() * self.pipe.scheduler.config.num_train_timesteps).to(dtype)
+        mask = embeds.mask
+        if mask is not None and bool(mask.all()):
+            mask = None  # as the pipeline: no padding, no mask (the unmasked attention kernel)
+        guidance = None
+        if config.guidance_embeds:  # guidance-distilled variants (the pipeline's guidance_scale)
+            guidance = torch.full([batch], guidance_scale, device=latents.device)
+        return transformer(
+            hidden_states=latents.to(dtype),
+            timestep=t / 1000,
+            guidance=guidance,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds.embeds.to(dtype),
+            img_shapes=[[(1, lh // 2, lw // 2)]] * batch,
+            return_dict=False,
+        )[0]
+
+    def guide(
+        self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float
+    ) -> torch.Tensor:
+        """True CFG with the per-token rescale to the conditional norm (grad flows via |v_pos|)."""
+        comb = v_uncond + guidance_scale * (v_cond - v_uncond)
+        cond_norm = torch.norm(v_cond, dim=-1, keepdim=True)
+        comb_norm = torch.norm(comb, dim=-1, keepdim=True)
+        return comb * (cond_norm / comb_norm)
+
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents -> images [B, 3, H, W] fp32 in [0, 1] on CPU (as output_type="pt")."""
+        vae = self.pipe.vae
+        x = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+        x = x.to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+        x = x / inv_std.to(x.device, x.dtype) + mean
+        with torch.no_grad():
+            image = vae.decode(x, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+__all__ = ["QwenImageAdapter"]
