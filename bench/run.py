@@ -81,28 +81,33 @@ class FreeTransformer(torch.nn.Module):
         return (torch.zeros_like(hidden_states),)
 
 
-def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
-    """flowgrpo's SDE sampler vs the bare transformer forwards it makes vs the diffusers call."""
+def _sample(adapter, prompts, negatives, latents, s: BenchSettings, guidance: float, **kw):
+    """The benchmark's rollout: SDE (a = 0.7) from fixed latents and noise, no decoding."""
     from flowgrpo.rollout import sample_trajectories
 
+    return sample_trajectories(
+        adapter,
+        prompts,
+        negative_prompts=negatives,
+        num_steps=s.num_steps,
+        guidance_scale=guidance,
+        noise_level=0.7,
+        height=s.height,
+        width=s.width,
+        latents=latents,
+        generator=torch.Generator().manual_seed(1),
+        decode=False,
+        **kw,
+    )
+
+
+def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
+    """flowgrpo's SDE sampler vs the bare transformer forwards it makes vs the diffusers call."""
     pipe, adapter, prompts, negatives, latents = _setup(kind, s)
     g = _guidance(kind)
 
     def sampler(transformer=None):
-        return sample_trajectories(
-            adapter,
-            prompts,
-            negative_prompts=negatives,
-            num_steps=s.num_steps,
-            guidance_scale=g,
-            noise_level=0.7,
-            height=s.height,
-            width=s.width,
-            latents=latents,
-            generator=torch.Generator().manual_seed(1),
-            decode=False,
-            transformer=transformer,
-        )
+        return _sample(adapter, prompts, negatives, latents, s, g, transformer=transformer)
 
     free = FreeTransformer(pipe.transformer)
 
@@ -198,7 +203,7 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
     """
     from flowgrpo.algo import flow_grpo_loss, kl_penalty_image, sde_step_with_logprob
     from flowgrpo.models.base import PromptEmbeds
-    from flowgrpo.rollout import SDEWindow, sample_trajectories, trajectory_log_prob
+    from flowgrpo.rollout import SDEWindow, trajectory_log_prob
     from flowgrpo.rollout.sampler import policy_step
 
     pipe, adapter, prompts, negatives, latents = _setup(kind, s)
@@ -210,20 +215,8 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def trajectory(g: float):
-        return sample_trajectories(
-            adapter,
-            prompts,
-            negative_prompts=negatives,
-            num_steps=s.num_steps,
-            guidance_scale=g,
-            noise_level=0.7,
-            height=s.height,
-            width=s.width,
-            latents=latents,
-            generator=torch.Generator().manual_seed(1),
-            sde_window=SDEWindow(size=k_steps, lo=0, hi=min(s.num_steps - 1, k_steps + 2)),
-            decode=False,
-        )
+        window = SDEWindow(size=k_steps, lo=0, hi=min(s.num_steps - 1, k_steps + 2))
+        return _sample(adapter, prompts, negatives, latents, s, g, sde_window=window)
 
     def zero():
         for p in params:
