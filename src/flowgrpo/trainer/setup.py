@@ -74,7 +74,14 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
         pipe = load_pipeline(cfg.model.path, torch_dtype=dtype)
     if dist.device.type != "cpu":
         pipe.to(dist.device)
-    return build_adapter(pipe)
+    options = {}
+    if cfg.model.true_cfg_scale != 1.0:  # FLUX's optional true CFG on top of distilled guidance
+        if type(pipe).__name__ != "FluxPipeline":
+            raise ValueError(
+                f"model.true_cfg_scale applies to FLUX pipelines only, not {type(pipe).__name__}"
+            )
+        options["true_cfg_scale"] = cfg.model.true_cfg_scale
+    return build_adapter(pipe, **options)
 
 
 def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> Any:

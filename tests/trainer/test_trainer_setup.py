@@ -1,0 +1,34 @@
+"""build_adapter_for: model.path -> pipeline -> adapter, with the family options of the config."""
+
+import pytest
+import torch
+
+from flowgrpo.config import load_config
+from flowgrpo.engine.dist import DistInfo
+from flowgrpo.models.tiny import tiny_pipeline
+from flowgrpo.trainer.setup import build_adapter_for
+
+CPU = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+
+
+def test_flux_true_cfg_scale_reaches_the_adapter(tmp_path):
+    tiny_pipeline("flux").save_pretrained(tmp_path / "flux")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cube\n")
+    overrides = [
+        f"model.path={tmp_path / 'flux'}",
+        f"data.train_prompts={prompts}",
+        f"reward.pickscore.options.path={tmp_path}",
+        "model.dtype=fp32",
+    ]
+    plain = build_adapter_for(load_config("flux-pickscore", overrides), CPU)
+    assert type(plain).__name__ == "FluxAdapter" and not plain.uses_cfg(3.5)
+    cfg = load_config("flux-pickscore", [*overrides, "model.true_cfg_scale=2.0"])
+    adapter = build_adapter_for(cfg, CPU)
+    assert adapter.true_cfg_scale == 2.0 and adapter.uses_cfg(3.5)
+
+
+def test_true_cfg_scale_on_another_family_is_a_clear_error():
+    cfg = load_config(None, ["model.true_cfg_scale=2.0"])
+    with pytest.raises(ValueError, match="model.true_cfg_scale applies to FLUX pipelines only"):
+        build_adapter_for(cfg, CPU)
