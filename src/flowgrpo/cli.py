@@ -156,9 +156,9 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
     cfg = load_config(preset, overrides, command="export")
     from flowgrpo.trainer.flow_grpo import run_export_lora
 
-    path = run_export_lora(cfg, args.checkpoint, args.out)
+    path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full)
     if _is_main_rank():
-        print(f"wrote LoRA weights to {path}")
+        print(f"wrote {'the full transformer' if args.full else 'LoRA weights'} to {path}")
     return 0
 
 
@@ -245,7 +245,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p = sub.add_parser("export-lora", help="write a diffusers-loadable LoRA from a checkpoint")
     _add_config_args(p)
     p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
-    p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
+    p.add_argument(
+        "--out", required=True, metavar="PATH", help="output .safetensors file (--full: a folder)"
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="write the whole transformer (LoRA merged) with save_pretrained instead",
+    )
     p.set_defaults(func=_cmd_export_lora)
 
     wanted = _first_command(argv)

@@ -240,6 +240,25 @@ def test_eval_and_sample_from_checkpoint_reproduce_the_run(two_steps, tmp_path):
         run_eval(cfg, tmp_path / "nope")
 
 
+def test_full_fine_tune_exports_the_whole_transformer(two_steps, tmp_path):
+    """A full fine-tune has no LoRA: a clear error, and --full writes save_pretrained weights
+    that reproduce the checkpoint's transformer."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowgrpo.trainer.flow_grpo import run_export_lora
+
+    out, _ = two_steps
+    cfg = small_cfg(tmp_path / "unused")
+    with pytest.raises(ValueError, match="full fine-tune .* add --full"):
+        run_export_lora(cfg, out, tmp_path / "lora.safetensors")
+    path = run_export_lora(cfg, out, tmp_path / "full", full=True)
+    exported = SD3Transformer2DModel.from_pretrained(path).state_dict()
+    saved = weights(out / "checkpoints" / "step_2")
+    assert set(exported) == set(saved)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+
+
 def test_lora_run_exports_a_diffusers_loadable_lora(tmp_path):
     from flowgrpo.models.toy import ToyAdapter, toy_pipeline
     from flowgrpo.rollout import sample_trajectories

@@ -297,6 +297,15 @@ def run_eval(cfg: Any, checkpoint: str | Path | None) -> dict[str, float]:
     return evaluate(_restored(cfg, checkpoint))[0]
 
 
-def run_export_lora(cfg: Any, checkpoint: str | Path, out_file: str | Path) -> Path:
-    """Write the checkpoint's LoRA as a diffusers-loadable safetensors file."""
-    return Path(_restored(cfg, checkpoint).engine.export_lora(out_file))
+def run_export_lora(
+    cfg: Any, checkpoint: str | Path, out_file: str | Path, *, full: bool = False
+) -> Path:
+    """Write the checkpoint's LoRA as a diffusers-loadable safetensors file, or with ``full``
+    the whole transformer (LoRA merged) as a diffusers ``save_pretrained`` directory."""
+    if not full and not cfg.lora.enabled:
+        raise ValueError(
+            "this run is a full fine-tune (lora.enabled=false): there is no LoRA to export; "
+            "add --full to write the whole transformer with save_pretrained"
+        )
+    engine = _restored(cfg, checkpoint).engine
+    return Path(engine.save_full(out_file) if full else engine.export_lora(out_file))
