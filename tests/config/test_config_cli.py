@@ -26,7 +26,9 @@ def fake_trainer(monkeypatch):
         and [Path(out) / f"{i}.png" for i in range(len(prompts))]
     )
     mod.run_eval = lambda cfg, ckpt: calls.setdefault("eval", (cfg, ckpt)) and {"eval/x": 1.0}
-    mod.run_export_lora = lambda cfg, ckpt, out: calls.setdefault("export", (cfg, ckpt, out))[2]
+    mod.run_export_lora = lambda cfg, ckpt, out, full=False: calls.setdefault(
+        "export", (cfg, ckpt, out, full)
+    )[2]
     monkeypatch.setitem(sys.modules, "flowgrpo.trainer.flow_grpo", mod)
     return calls
 
@@ -104,6 +106,9 @@ def test_commands_dispatch_to_the_trainer(tmp_path, capsys, fake_trainer) -> Non
     assert (cfg.seed, ckpt) == (4, "runs/x")
     assert '"eval/x": 1.0' in (tmp_path / "m.json").read_text()
     assert cli.main(["export-lora", "--checkpoint", "c", "--out", "l.safetensors"]) == 0
-    assert fake_trainer["export"][1:] == ("c", "l.safetensors")
+    assert fake_trainer["export"][1:] == ("c", "l.safetensors", False)
+    del fake_trainer["export"]
+    assert cli.main(["export-lora", "--checkpoint", "c", "--full", "--out", "dir"]) == 0
+    assert fake_trainer["export"][1:] == ("c", "dir", True)
     assert "wrote LoRA weights to l.safetensors" in capsys.readouterr().out
     assert cli.main(["eval", "--bogus"]) == 2
