@@ -166,8 +166,6 @@ def bench_rollout(kind: str, s: BenchSettings) -> dict[str, float]:
 
 def bench_batched_cfg(kind: str, s: BenchSettings) -> dict[str, float]:
     """No-grad guided velocity: one forward of the doubled batch vs two forwards."""
-    from flowgrpo.rollout.sampler import sample_trajectories  # noqa: F401 (import cost out)
-
     pipe, adapter, prompts, negatives, latents = _setup(kind, s)
     g = _guidance(kind) if kind != "flux" else 4.5
     if kind == "flux":
@@ -204,7 +202,6 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
     from flowgrpo.algo import flow_grpo_loss, kl_penalty_image, sde_step_with_logprob
     from flowgrpo.models.base import PromptEmbeds
     from flowgrpo.rollout import SDEWindow, trajectory_log_prob
-    from flowgrpo.rollout.sampler import policy_step
 
     pipe, adapter, prompts, negatives, latents = _setup(kind, s)
     transformer = pipe.transformer
@@ -231,22 +228,7 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
             )
             if kl:
                 with torch.no_grad():  # reference: its own guidance, one batched forward
-                    ref = policy_step(
-                        adapter,
-                        transformer,
-                        traj.latents[:, k],
-                        traj.sigmas[:, k],
-                        traj.sigmas_next[:, k],
-                        traj.prompt_embeds,
-                        traj.negative_embeds,
-                        guidance_scale=traj.guidance_scale,
-                        noise_level=traj.noise_level,
-                        sde_type=traj.sde_type,
-                        height=s.height,
-                        width=s.width,
-                        sigma_max=traj.sigma_max,
-                        prev_sample=traj.latents[:, k + 1],
-                    )
+                    ref = trajectory_log_prob(adapter, transformer, traj, k)
                 kl_term = kl_penalty_image(
                     step.prev_sample_mean, ref.prev_sample_mean, step.std_dev_t
                 )

@@ -75,6 +75,11 @@ class PromptEmbeds:
         return PromptEmbeds(torch.cat(embeds), mask, pooled)
 
 
+def param_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of ``module``'s parameters: adapters cast transformer inputs to it."""
+    return next(module.parameters()).dtype
+
+
 class Schedule(NamedTuple):
     """sigmas: [N + 1] fp32 from ~1 down to 0 (the final 0 included); timesteps: [N], what the
     scheduler reports (sigma * num_train_timesteps)."""
@@ -107,7 +112,7 @@ class DiffusionAdapter(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        return param_dtype(self.transformer)
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """True when a negative/unconditional branch is evaluated (guidance_scale > 1)."""

@@ -24,11 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
-
-
-def _param_dtype(module: torch.nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
 
 
 class FluxAdapter(DiffusionAdapter):
@@ -156,7 +152,7 @@ class FluxAdapter(DiffusionAdapter):
         guidance_scale: float,
     ) -> torch.Tensor:
         """Raw velocity [B, S, 4C] for packed latents; timestep = t / 1000 with t = 1000 sigma."""
-        dtype = _param_dtype(transformer)
+        dtype = param_dtype(transformer)
         device, batch = latents.device, latents.shape[0]
         t = sigma.to(device=device, dtype=torch.float32) * self.num_train_timesteps
         guidance = None

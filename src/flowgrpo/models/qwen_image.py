@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
 
 
 class QwenImageAdapter(DiffusionAdapter):
@@ -146,7 +146,7 @@ class QwenImageAdapter(DiffusionAdapter):
         if len(embeds) != batch:
             raise ValueError(f"{len(embeds)} prompt embeddings for a batch of {batch} latents")
         config = getattr(transformer, "config", self.transformer.config)
-        dtype = next(transformer.parameters()).dtype  # inputs in the transformer's dtype
+        dtype = param_dtype(transformer)  # inputs in the transformer's dtype
         # The scheduler's timestep is sigma * 1000 in fp32; the pipeline casts it to the latents'
         # dtype and divides by 1000. Done the same way so the transformer sees the same number.
         t = (sigma.float() * self.pipe.scheduler.config.num_train_timesteps).to(dtype)

@@ -21,11 +21,7 @@ from typing import Any
 
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
-
-
-def _param_dtype(module: torch.nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -134,7 +130,7 @@ class SD3Adapter(DiffusionAdapter):
         guidance_scale: float,
     ) -> torch.Tensor:
         """Raw velocity [B, C, h, w]; timestep = sigma * num_train_timesteps in fp32."""
-        dtype = _param_dtype(transformer)
+        dtype = param_dtype(transformer)
         timestep = sigma.to(device=latents.device, dtype=torch.float32) * self.num_train_timesteps
         return transformer(
             hidden_states=latents.to(dtype),

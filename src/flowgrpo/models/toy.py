@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
 from flowgrpo.toy.pipeline import (
     ASSET_NAME,
     EMPTY_ID,
@@ -100,7 +100,7 @@ class ToyAdapter(DiffusionAdapter):
         guidance_scale: float,
     ) -> torch.Tensor:
         """Raw velocity [B, 1, 8, 8]; timestep = sigma * 1000 in fp32."""
-        dtype = next(transformer.parameters()).dtype
+        dtype = param_dtype(transformer)
         timestep = sigma.to(device=latents.device, dtype=torch.float32) * self.num_train_timesteps
         return transformer(
             hidden_states=latents.to(dtype),
