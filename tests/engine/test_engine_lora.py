@@ -193,3 +193,33 @@ def test_bf16_compute_keeps_fp32_master_weights_and_output(dist1, tiny_traj):
     want = _velocity(base, base.transformer, tiny_traj)
     assert v.dtype == torch.float32
     assert 1e-5 < (v - want).abs().max() < 0.1  # bf16 rounding, not garbage
+
+
+def test_zero_advantage_samples_are_dropped(dist1, tiny_traj):
+    """skip_zero_advantage: training on 4 samples of which 2 have advantage 0 is training on
+    the other 2 alone (mean over kept samples, KL included); all zero -> no update at all."""
+    adv = torch.tensor([1.0, 0.0, -0.5, 0.0])
+    kept = [0, 2]
+    runs = {
+        "skip": (tiny_traj, adv, {}),
+        "kept_only": (tiny_traj.select(kept), adv[kept], {}),
+        "no_skip": (tiny_traj, adv, {"skip_zero_advantage": False}),
+    }
+    params, metrics = {}, {}
+    for name, (traj, a, over) in runs.items():
+        engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora", **over))
+        metrics[name] = engine.train_step(traj, a)
+        params[name] = tm.trainable(engine)
+    diff = max((params["skip"][k] - params["kept_only"][k]).abs().max() for k in params["skip"])
+    assert diff < 1e-6
+    assert metrics["skip"]["samples_trained"] == 2 and metrics["skip"]["samples_dropped"] == 2
+    assert metrics["no_skip"]["samples_trained"] == 4
+    # keeping them dilutes the policy gradient and adds their KL: a different update
+    moved = max((params["skip"][k] - params["no_skip"][k]).abs().max() for k in params["skip"])
+    assert moved > 1e-4
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora"))
+    before = tm.trainable(engine)
+    m = engine.train_step(tiny_traj, torch.zeros(4))
+    assert m["optimizer_steps"] == 0 and m["samples_trained"] == 0 and engine.optimizer_steps == 0
+    after = tm.trainable(engine)
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -35,6 +35,10 @@ def runs(dist1, tiny_traj, work):
             ),
             "full": tm.run_case("full", tiny_traj, adv, 3, snapshots=(3,)),
             "clip": tm.run_case("clip", tiny_traj, adv, 2, snapshots=(0, 1, 2)),
+            "zero": tm.run_case("lora", tiny_traj, tm.ZERO_HALF, 2, snapshots=(2,)),
+            "zero_mb2": tm.run_case(
+                "lora", tiny_traj, tm.ZERO_HALF, 2, snapshots=(2,), num_minibatches=2
+            ),
         }
     finally:
         while not ctx.join():
@@ -84,6 +88,22 @@ def test_grad_clipping_uses_global_norm(sharded, single):
     )
     assert step == pytest.approx(lr * max_norm, rel=0.02)
     assert _max_diff(s["params@2"], one["params@2"]) < TOL
+
+
+@pytest.mark.parametrize("case", ["zero", "zero_mb2"])
+def test_zero_advantage_rank_still_steps_and_matches(sharded, single, case):
+    """Rank 1's samples all have advantage 0: dropped, it runs zero-weight padding micro-
+    batches so FSDP's collectives line up, and the loss is the mean over the kept samples of
+    all ranks, as in 1 process."""
+    s, one = sharded[case], single[case]
+    assert _max_diff(s["params@2"], one["params@2"]) < TOL
+    assert _max_diff(one["params@2"], tm.trainable_initial("lora")) > 1e-3
+    for ms, mo in zip(s["metrics"], one["metrics"], strict=True):
+        assert ms["samples_trained"] == mo["samples_trained"] == 2.0
+        assert ms["samples_dropped"] == mo["samples_dropped"] == 2.0
+        assert ms["optimizer_steps"] == mo["optimizer_steps"] == (2.0 if "mb2" in case else 1.0)
+        for key in ("loss", "policy_loss", "kl", "grad_norm"):
+            assert ms[key] == pytest.approx(mo[key], rel=1e-4, abs=1e-7), key
 
 
 def test_hsdp_replicated_mesh_matches(sharded, single):

@@ -95,6 +95,8 @@ def make_trajectory(adapter: DiffusionAdapter, seed: int = 0):
 
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
+# rank 1 of 2 holds only zero advantages (its groups had no reward spread)
+ZERO_HALF = torch.tensor([1.0, -0.5, 0.0, 0.0])
 
 
 def make_config(case: str, **over):
@@ -221,6 +223,9 @@ def sharded_job(rank: int, world: int, port: int, workdir: str) -> None:
         "clip": run_case("clip", local, adv, 2, snapshots=(2,)),
         # HSDP: mesh (replicate=2, shard=1)
         "hsdp": run_case("clip", local, adv, 2, snapshots=(2,), **{"fsdp.replicate_degree": 2}),
+        # zero-advantage samples dropped: rank 1 trains nothing but pads to keep FSDP in step
+        "zero": run_case("lora", local, ZERO_HALF[rows], 2, snapshots=(2,)),
+        "zero_mb2": run_case("lora", local, ZERO_HALF[rows], 2, snapshots=(2,), num_minibatches=2),
     }
     from flowgrpo.engine import dist as fdist
 

@@ -17,8 +17,9 @@ def flow_grpo_loss(
 
     r = exp(log_prob - old_log_prob); A = clamp(advantages, -adv_clip_max, adv_clip_max);
     loss = mean_B max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range)).
-    Metrics (detached scalars): approx_kl = mean(-log r), clipfrac = fraction with
-    |r - 1| > clip_range, ratio_mean.
+    Metrics (detached scalars): approx_kl = mean(-log r) (the k1 estimator of KL(old || new)),
+    approx_kl_k2 = 0.5 mean((log r)^2) (the k2 estimator, what flow_grpo logs as approx_kl),
+    clipfrac = fraction with |r - 1| > clip_range, ratio_mean.
     """
     if clip_range <= 0:
         raise ValueError(f"clip_range must be > 0, got {clip_range}")
@@ -36,6 +37,7 @@ def flow_grpo_loss(
     with torch.no_grad():
         metrics = {
             "approx_kl": (-log_ratio).mean(),
+            "approx_kl_k2": 0.5 * (log_ratio**2).mean(),
             "clipfrac": ((ratio - 1.0).abs() > clip_range).float().mean(),
             "ratio_mean": ratio.mean(),
         }

@@ -1,7 +1,8 @@
 """One reverse step of a flow-matching sampler with the exact log-density of the drawn sample.
 
 Time runs from sigma = 1 (noise) to sigma = 0 (data); ``dt = sigma_next - sigma < 0``.
-All math is in fp32 whatever the input dtype (bf16 overflows in the variance terms).
+All math is in fp32 whatever the input dtype (bf16 overflows in the variance terms); fp64
+inputs are computed in fp64 (tests use it to compare formulations without fp32 rounding).
 See docs/algorithm.md for the formulas; the symbols below follow it.
 """
 
@@ -27,9 +28,11 @@ class SDEStepOutput(NamedTuple):
     std_dev_t: torch.Tensor
 
 
-def _per_sample(value: float | torch.Tensor, batch: int, ndim: int, device) -> torch.Tensor:
-    """Scalar or [B] sigma -> fp32 tensor broadcastable against a [B, ...] sample."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+def _per_sample(
+    value: float | torch.Tensor, batch: int, ndim: int, device, dtype=torch.float32
+) -> torch.Tensor:
+    """Scalar or [B] sigma -> tensor of ``dtype`` broadcastable against a [B, ...] sample."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.ndim == 0:
         t = t.expand(batch)
     t = t.reshape(-1)
@@ -90,31 +93,35 @@ def sde_step_with_logprob(
             f"prev_sample shape {tuple(prev_sample.shape)} != sample shape {tuple(sample.shape)}"
         )
     batch, ndim, dtype = sample.shape[0], sample.ndim, sample.dtype
-    sig = _per_sample(sigma, batch, ndim, sample.device)
-    sig_next = _per_sample(sigma_next, batch, ndim, sample.device)
+    compute = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    sig = _per_sample(sigma, batch, ndim, sample.device, compute)
+    sig_next = _per_sample(sigma_next, batch, ndim, sample.device, compute)
     if bool((sig_next > sig).any()):
         raise ValueError("sigma_next must be <= sigma (time runs from noise to data)")
 
-    x = sample.float()
-    v = model_output.float()
+    x = sample.to(compute)
+    v = model_output.to(compute)
     dt = sig_next - sig
     reduce_dims = tuple(range(1, ndim))
 
     if sde_type == "ode" or noise_level == 0:
         mean = x + v * dt
         std = torch.zeros_like(sig)
-        out = mean if prev_sample is None else prev_sample.float()
+        out = mean if prev_sample is None else prev_sample.to(compute)
         # A Dirac has no density; report 0 so that ratios of deterministic steps are exactly 1.
-        log_prob = torch.zeros(batch, dtype=torch.float32, device=sample.device)
+        log_prob = torch.zeros(batch, dtype=compute, device=sample.device)
         return SDEStepOutput(out.to(dtype), log_prob, mean, std.view(batch))
 
     if sde_type == "sde":
         sig_for_std = sig
         if sigma_max is not None:
-            smax = _per_sample(sigma_max, batch, ndim, sample.device)
+            smax = _per_sample(sigma_max, batch, ndim, sample.device, compute)
             sig_for_std = torch.where(sig >= 1.0, smax, sig)
-        elif bool((sig >= 1.0).any()):
-            raise ValueError("sigma == 1 makes the 'sde' noise scale infinite; pass sigma_max")
+        if bool((sig_for_std >= 1.0).any()):
+            raise ValueError(
+                "sigma == 1 makes the 'sde' noise scale infinite: pass sigma_max < 1 (the "
+                "schedule's second sigma; a one-step schedule has none: use >= 2 steps)"
+            )
         std_t = noise_level * torch.sqrt(sig / (1 - sig_for_std))
         mean = x * (1 + std_t**2 / (2 * sig) * dt) + v * (1 + std_t**2 * (1 - sig) / (2 * sig)) * dt
         step_std = std_t * torch.sqrt(-dt)
@@ -127,10 +134,10 @@ def sde_step_with_logprob(
         reported_std = step_std
 
     if prev_sample is None:
-        noise = _randn_like(x, generator)
+        noise = _randn_like(x, generator).to(compute)
         out = mean + step_std * noise
     else:
-        out = prev_sample.float()
+        out = prev_sample.to(compute)
 
     if sde_type == "sde":
         log_density = (

@@ -18,6 +18,8 @@ KEY_HELP: dict[str, str] = {
     "model.height": "Image height in pixels (8 for the toy).",
     "model.width": "Image width in pixels.",
     "model.true_cfg_scale": "FLUX only: true CFG with the negative prompt when > 1 (1 = off).",
+    "model.max_sequence_length": "Text tokens per prompt (T5 / Qwen); null = the pipeline's "
+    "default (SD3 256, FLUX 512, Qwen-Image 512).",
     "model.pretrained": "Toy only: start from the shipped pretrained weights (false = random).",
     "sample.num_steps": "Denoising steps of a training rollout.",
     "sample.eval_num_steps": "Denoising steps of eval and `flowgrpo sample` (ODE sampler).",
@@ -67,6 +69,10 @@ KEY_HELP: dict[str, str] = {
     "train.micro_batch_size": "Samples per forward/backward in the update.",
     "train.num_minibatches": "Optimizer steps per rollout (the global batch is split in this "
     "many parts).",
+    "train.skip_zero_advantage": "Drop samples whose advantage is exactly 0 (groups with equal "
+    "rewards) before the update, as flow_grpo does; the loss is the mean over the kept samples.",
+    "train.cfg_grad": "How the guidance gradient flows: `both` branches (exact) or `cond_only` "
+    "(unconditional branch under no_grad: cheaper, biased; the original paper's form).",
     "train.max_consecutive_skips": "Abort after this many optimizer steps in a row skipped "
     "for non-finite gradients.",
     "lora.enabled": "Train LoRA adapters (false = full fine-tune).",

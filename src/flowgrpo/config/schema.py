@@ -26,6 +26,7 @@ DEFAULT_PRESET = "toy-digits"
 MODEL_KINDS = ("auto", "toy", "qwen_image", "sd3", "flux")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 SDE_TYPES = ("sde", "cps")
+CFG_GRAD_MODES = ("both", "cond_only")
 REWARD_MODES = ("weighted_sum", "advantage")
 WANDB_MODES = ("offline", "online", "disabled")
 LR_SCHEDULES = ("constant", "cosine")
@@ -38,7 +39,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """Which pipeline to load. ``path`` is a local diffusers directory (required except for
-    the toy, where it is unused); ``kind`` "auto" detects the family from the pipeline class."""
+    the toy, where it is unused); ``kind`` "auto" detects the family from the pipeline class.
+    ``max_sequence_length``: text tokens per prompt (null = the pipeline's default)."""
 
     path: str | None = None
     kind: str = "auto"
@@ -46,6 +48,7 @@ class ModelConfig:
     height: int = 512
     width: int = 512
     true_cfg_scale: float = 1.0
+    max_sequence_length: int | None = None
     pretrained: bool = True
 
 
@@ -110,11 +113,16 @@ class AdvantageConfig:
 @dataclass
 class TrainConfig:
     """Policy update per rollout: ``num_minibatches`` optimizer steps, each accumulating
-    micro-batches of ``micro_batch_size`` samples over all trained timesteps."""
+    micro-batches of ``micro_batch_size`` samples over all trained timesteps.
+    ``skip_zero_advantage`` drops samples whose advantage is exactly 0 first (flow_grpo does);
+    ``cfg_grad`` "both" differentiates both guidance branches (exact), "cond_only" only the
+    conditional one (cheaper, biased: the original Flow-GRPO paper's form; opt-in)."""
 
     micro_batch_size: int = 4
     num_minibatches: int = 2
     max_consecutive_skips: int = 3
+    skip_zero_advantage: bool = True
+    cfg_grad: str = "both"
 
 
 @dataclass
@@ -196,6 +204,8 @@ def engine_config(cfg: Config) -> EngineConfig:
         micro_batch_size=cfg.train.micro_batch_size,
         num_minibatches=cfg.train.num_minibatches,
         max_consecutive_skips=cfg.train.max_consecutive_skips,
+        skip_zero_advantage=cfg.train.skip_zero_advantage,
+        cfg_grad=cfg.train.cfg_grad,
         seed=cfg.seed,
     )
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo.config.schema import (
+    CFG_GRAD_MODES,
     DTYPES,
     LR_SCHEDULES,
     MODEL_KINDS,
@@ -41,6 +42,9 @@ def _check_sample(cfg: Config) -> None:
     _need(s.num_steps >= 1, "sample.num_steps", ">= 1", s.num_steps)
     if s.deterministic_last_step:
         _need(s.num_steps >= 2, "sample.num_steps", ">= 2 with deterministic_last_step", 1)
+    elif s.sde_type == "sde" and s.noise_level > 0:  # one step starts at sigma = 1 with no
+        # second sigma to stand in for it: the 'sde' noise scale sigma / (1 - sigma) is infinite
+        _need(s.num_steps >= 2, "sample.num_steps", ">= 2 with sde_type 'sde'", s.num_steps)
     _need(s.eval_num_steps >= 1, "sample.eval_num_steps", ">= 1", s.eval_num_steps)
     _need(s.guidance_scale >= 0, "sample.guidance_scale", ">= 0 (1 = no CFG)", s.guidance_scale)
     if s.eval_guidance_scale is not None:
@@ -88,6 +92,9 @@ def _check_sections(cfg: Config) -> None:
     _need(m.height >= 1, "model.height", ">= 1", m.height)
     _need(m.width >= 1, "model.width", ">= 1", m.width)
     _need(m.true_cfg_scale >= 1, "model.true_cfg_scale", ">= 1 (1 = off)", m.true_cfg_scale)
+    if m.max_sequence_length is not None:
+        n = m.max_sequence_length
+        _need(n >= 1, "model.max_sequence_length", ">= 1 or null", n)
     _need(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
     _check_sample(cfg)
     d = cfg.data
@@ -109,6 +116,7 @@ def _check_sections(cfg: Config) -> None:
     _need(t.num_minibatches >= 1, "train.num_minibatches", ">= 1", t.num_minibatches)
     n = t.max_consecutive_skips
     _need(n >= 1, "train.max_consecutive_skips", ">= 1", n)
+    _one_of("train.cfg_grad", t.cfg_grad, CFG_GRAD_MODES)
     lo = cfg.lora
     _need(lo.rank >= 1, "lora.rank", ">= 1", lo.rank)
     _need(lo.alpha > 0, "lora.alpha", "> 0", lo.alpha)

@@ -71,7 +71,9 @@ class EMAConfig:
 @dataclass
 class EngineConfig:
     """Everything the engine needs. ``num_minibatches`` = optimizer steps per train_step call;
-    ``micro_batch_size`` = samples per forward/backward."""
+    ``micro_batch_size`` = samples per forward/backward; ``skip_zero_advantage`` drops samples
+    whose advantage is exactly 0 before training; ``cfg_grad`` "both" (exact) or "cond_only"
+    (the guidance gradient through the conditional branch only: cheaper, biased)."""
 
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -81,6 +83,8 @@ class EngineConfig:
     micro_batch_size: int = 4
     num_minibatches: int = 1
     max_consecutive_skips: int = 3
+    skip_zero_advantage: bool = True
+    cfg_grad: str = "both"
     seed: int = 0
 
     def validate(self) -> EngineConfig:
@@ -89,6 +93,10 @@ class EngineConfig:
             (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
             (self.num_minibatches >= 1, "num_minibatches must be >= 1"),
             (self.max_consecutive_skips >= 1, "max_consecutive_skips must be >= 1"),
+            (
+                self.cfg_grad in ("both", "cond_only"),
+                f"cfg_grad must be 'both' or 'cond_only', got {self.cfg_grad!r}",
+            ),
             (self.lora.rank >= 1, "lora.rank must be >= 1"),
             (
                 self.optim.lr_schedule in ("constant", "cosine"),

@@ -34,7 +34,16 @@ from flowgrpo.rollout.sampler import Trajectory, trajectory_log_prob
 
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
-METRIC_KEYS = ("loss", "policy_loss", "kl", "approx_kl", "clipfrac", "ratio_mean")
+#: what ``_loss`` returns, in order (the last four are ``flow_grpo_loss``'s metrics)
+METRIC_KEYS = (
+    "loss",
+    "policy_loss",
+    "kl",
+    "approx_kl",
+    "approx_kl_k2",
+    "clipfrac",
+    "ratio_mean",
+)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -238,8 +247,14 @@ class DiffusersFSDPEngine:
         """``num_minibatches`` optimizer steps on this rank's samples (shuffled by the engine's
         generator), each accumulating grads over micro-batches x trained steps.
 
-        advantages: [B] for the B = len(trajectory) local samples. Returns global means
-        (over ranks and optimizer steps) of the loss terms, grad_norm, lr and skipped.
+        advantages: [B] for the B = len(trajectory) local samples. With
+        ``skip_zero_advantage`` samples whose advantage is exactly 0 (groups whose rewards are
+        all equal) are dropped first, as flow_grpo does: they carry no policy gradient and
+        would only dilute the mean and cost a forward and backward each. The loss is a mean
+        over the kept samples of all ranks; every rank runs the same number of micro-batches
+        (zero-weight padding where it kept fewer) so FSDP's collectives line up. Returns global
+        means (over ranks and optimizer steps) of the loss terms, grad_norm, lr and skipped,
+        and the global counts ``samples_trained`` and ``samples_dropped``.
         """
         cfg = self.config
         batch = len(trajectory)
@@ -251,34 +266,72 @@ class DiffusersFSDPEngine:
         if cfg.loss.kl_beta > 0 and (trajectory.noise_level <= 0 or trajectory.sde_type == "ode"):
             raise ValueError("kl_beta > 0 needs a stochastic trajectory (noise_level > 0, sde/cps)")
         adv = adv.to(trajectory.latents.device)
-        perm = torch.randperm(batch, generator=self.generator)
+        kept = torch.arange(batch)
+        if cfg.skip_zero_advantage:
+            kept = (adv.cpu() != 0).nonzero().squeeze(1)
+        perm = kept[torch.randperm(len(kept), generator=self.generator)]
+        minibatches = torch.tensor_split(perm, cfg.num_minibatches)
+        # kept samples per (rank, minibatch): the global loss normalisation and micro-batch count
+        counts = torch.tensor([len(mb) for mb in minibatches], device=self.dist.device)
+        counts = fdist.all_gather_tensor(counts[None]).cpu()  # [world, num_minibatches]
         rows = []
-        for mb in perm.chunk(cfg.num_minibatches):
-            rows.append(self._optimizer_step(trajectory, adv, mb))
+        for m, mb in enumerate(minibatches):
+            global_kept = int(counts[:, m].sum())
+            if global_kept == 0:  # nothing to learn from on any rank: no update at all
+                continue
+            n_micro = max(-(-int(c) // cfg.micro_batch_size) for c in counts[:, m])  # ceil
+            rows.append(self._optimizer_step(trajectory, adv, mb, global_kept, n_micro))
         self.step += 1
-        out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        total = int(counts.sum())
+        if rows:
+            out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        else:  # every advantage was 0: no optimizer step ran
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            out = {**dict.fromkeys(METRIC_KEYS, 0.0), "grad_norm": 0.0, "lr": lr, "skipped": 0.0}
         out["optimizer_steps"] = float(sum(1 - r["skipped"] for r in rows))
+        out["samples_trained"] = float(total)
+        out["samples_dropped"] = float(batch * self.dist.world_size - total)
         return out
 
+    def _micro_batches(
+        self, index: torch.Tensor, n_micro: int
+    ) -> Iterator[tuple[torch.Tensor, float]]:
+        """(rows, weight of each row's loss) for ``n_micro`` micro-batches: this rank's rows in
+        chunks of ``micro_batch_size``, then zero-weight padding (one local sample) so every
+        rank runs ``n_micro`` forward/backward passes."""
+        chunks = [c for c in index.split(self.config.micro_batch_size) if len(c)]
+        for rows in chunks:
+            yield rows, 1.0
+        for _ in range(n_micro - len(chunks)):
+            yield torch.zeros(1, dtype=torch.long), 0.0
+
     def _optimizer_step(
-        self, traj: Trajectory, adv: torch.Tensor, index: torch.Tensor
+        self,
+        traj: Trajectory,
+        adv: torch.Tensor,
+        index: torch.Tensor,
+        global_kept: int,
+        n_micro: int,
     ) -> dict[str, float]:
+        """One optimizer step over this rank's rows ``index`` of a minibatch that holds
+        ``global_kept`` samples on all ranks: each sample's loss (averaged over the trained
+        steps) weighs world / global_kept, so FSDP's gradient average over ranks gives the
+        mean over the minibatch's samples."""
         cfg, model = self.config, self.model
         num_steps = traj.num_train_steps
-        micro = index.split(cfg.micro_batch_size)
-        total = len(index) * num_steps
+        sample_weight = self.dist.world_size / (global_kept * num_steps)
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=self.dist.device)
         self.optimizer.zero_grad(set_to_none=True)
-        n_tasks, done = len(micro) * num_steps, 0
-        for rows in micro:
+        n_tasks, done = n_micro * num_steps, 0
+        for rows, scale in self._micro_batches(index, n_micro):
             sub = traj.select(rows)
-            sub_adv = adv[rows.to(adv.device)]
+            sub_adv = adv[rows.to(adv.device)] * scale
+            weight = len(rows) * sample_weight * scale
             for k in range(num_steps):
                 done += 1
                 if isinstance(model, FSDPModule):  # reduce-scatter only after the last backward
                     model.set_requires_gradient_sync(done == n_tasks)
                 terms = self._loss(sub, sub_adv, k)
-                weight = len(rows) / total
                 (terms[0] * weight).backward()
                 sums += weight * torch.stack([t.detach().double().to(sums.device) for t in terms])
         stats = fdist.all_reduce_mean(sums).cpu()  # one host sync per optimizer step
@@ -309,13 +362,15 @@ class DiffusersFSDPEngine:
         return out
 
     def _loss(self, sub: Trajectory, adv: torch.Tensor, k: int) -> list[torch.Tensor]:
-        """[loss, policy_loss, kl, approx_kl, clipfrac, ratio_mean] for trained step k."""
+        """[loss, policy_loss, kl, approx_kl, approx_kl_k2, clipfrac, ratio_mean] for trained
+        step k; the gradient flows through both guidance branches unless ``cfg_grad`` says
+        "cond_only"."""
         lc = self.config.loss
         ref_mean = None
         if lc.kl_beta > 0:
             with torch.no_grad(), self.reference_transformer() as ref:
                 ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
-        out = trajectory_log_prob(self.adapter, self.model, sub, k)
+        out = trajectory_log_prob(self.adapter, self.model, sub, k, cfg_grad=self.config.cfg_grad)
         policy_loss, m = flow_grpo_loss(
             out.log_prob,
             sub.log_probs[:, k],
@@ -329,7 +384,7 @@ class DiffusersFSDPEngine:
             loss = loss + lc.kl_beta * kl
         else:
             kl = torch.zeros((), device=policy_loss.device)
-        return [loss, policy_loss, kl, m["approx_kl"], m["clipfrac"], m["ratio_mean"]]
+        return [loss, policy_loss, kl, *(m[key] for key in METRIC_KEYS[3:])]
 
     # -- exports ---------------------------------------------------------------------------------
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -75,6 +75,11 @@ class PromptEmbeds:
         return PromptEmbeds(torch.cat(embeds), mask, pooled)
 
 
+#: how the guidance gradient flows in training: "both" branches (exact, the default) or
+#: "cond_only" (the unconditional branch under no_grad: cheaper, biased; opt-in)
+CFG_GRAD_MODES = ("both", "cond_only")
+
+
 def param_dtype(module: torch.nn.Module) -> torch.dtype:
     """The dtype of ``module``'s parameters: adapters cast transformer inputs to it."""
     return next(module.parameters()).dtype
@@ -93,7 +98,7 @@ class DiffusionAdapter(ABC):
 
     #: default LoRA target module names for this family (peft ``target_modules``)
     lora_target_modules: tuple[str, ...] = ()
-    #: run unconditional + conditional branches as one doubled batch when no grad is needed
+    #: run the unconditional and conditional branches as one doubled batch (else two calls)
     batch_cfg: bool = True
     #: negative prompt used when guidance is on and none is given
     default_negative_prompt: str = ""
@@ -135,7 +140,8 @@ class DiffusionAdapter(ABC):
         width: int,
         generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> torch.Tensor:
-        """Initial noise in the layout the pipeline takes as ``latents=``."""
+        """Initial noise in the layout the pipeline takes as ``latents=``, drawn in fp32 whatever
+        the transformer's dtype (trajectories stay fp32)."""
 
     @abstractmethod
     def forward(
@@ -149,8 +155,9 @@ class DiffusionAdapter(ABC):
         width: int,
         guidance_scale: float,
     ) -> torch.Tensor:
-        """One unguided transformer call. latents: pipeline layout [B, ...]; sigma: [B] fp32.
-        Returns the raw velocity, same shape as latents (never modified in place)."""
+        """One unguided transformer call. latents: pipeline layout [B, ...] (fp32: cast to the
+        transformer's dtype here); sigma: [B] fp32. Returns the raw velocity in the transformer's
+        output dtype, same shape as latents (never modified in place; ``velocity`` casts it)."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -194,37 +201,48 @@ class DiffusionAdapter(ABC):
         guidance_scale: float,
         height: int,
         width: int,
+        cfg_grad: str = "both",
     ) -> torch.Tensor:
         """The guided velocity: the policy's mean drift, shared by the sampler and the trainer.
 
-        Without grad (rollout, reference policy) the two branches run as one doubled batch.
-        With grad (training) the unconditional branch runs under no_grad and only the
-        conditional one is differentiated: the loss does not depend on v_u's parameters' path
-        (the batched-then-detached formulation), so this gives identical gradients for about a
-        third less compute.
+        Returns [B, ...] in the latents' dtype promoted to at least fp32: the transformer runs
+        in its own dtype, its output is cast up, and guidance is combined in fp32.
+
+        Both branches depend on the weights, so with grad enabled the gradient flows through
+        both: d v = g d v_c + (1 - g) d v_u (plus the rescale's norms for Qwen-Image). They run
+        as one doubled batch (``batch_cfg``) or as two calls, with or without grad alike, so the
+        training pass repeats the rollout's arithmetic exactly. ``cfg_grad="cond_only"`` is the
+        cheaper, biased approximation of the original Flow-GRPO paper: with grad enabled, v_u
+        runs under no_grad and only v_c is differentiated. Opt-in only.
         """
+        if cfg_grad not in CFG_GRAD_MODES:
+            raise ValueError(f"cfg_grad must be one of {CFG_GRAD_MODES}, got {cfg_grad!r}")
+        out_dtype = torch.promote_types(latents.dtype, torch.float32)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(latents.shape[0])
         kw = dict(height=height, width=width, guidance_scale=guidance_scale)
+
+        def call(x: torch.Tensor, s: torch.Tensor, e: PromptEmbeds) -> torch.Tensor:
+            return self.forward(transformer, x, s, e, **kw).to(out_dtype)
+
         if not self.uses_cfg(guidance_scale):
-            return self.forward(transformer, latents, sigma, embeds, **kw)
+            return call(latents, sigma, embeds)
         if negative_embeds is None:
             raise ValueError("guidance is on but no negative prompt embeddings were given")
-        if torch.is_grad_enabled():
+        if cfg_grad == "cond_only" and torch.is_grad_enabled():
             with torch.no_grad():
-                v_uncond = self.forward(transformer, latents, sigma, negative_embeds, **kw)
-            v_cond = self.forward(transformer, latents, sigma, embeds, **kw)
+                v_uncond = call(latents, sigma, negative_embeds)
+            v_cond = call(latents, sigma, embeds)
         elif self.batch_cfg:
             both = PromptEmbeds.cat([negative_embeds, embeds])
-            v = self.forward(
-                transformer, torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, **kw
-            )
-            v_uncond, v_cond = v.chunk(2)
+            v_uncond, v_cond = call(
+                torch.cat([latents, latents]), torch.cat([sigma, sigma]), both
+            ).chunk(2)
         else:
-            v_cond = self.forward(transformer, latents, sigma, embeds, **kw)
-            v_uncond = self.forward(transformer, latents, sigma, negative_embeds, **kw)
+            v_cond = call(latents, sigma, embeds)
+            v_uncond = call(latents, sigma, negative_embeds)
         return self.guide(v_cond, v_uncond, guidance_scale)
 
 
-__all__ = ["DiffusionAdapter", "PromptEmbeds", "Schedule"]
+__all__ = ["CFG_GRAD_MODES", "DiffusionAdapter", "PromptEmbeds", "Schedule", "param_dtype"]

@@ -111,11 +111,6 @@ class FluxAdapter(DiffusionAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         return Schedule(scheduler.sigmas.float(), timesteps.float())
 
-    def latents_dtype(self) -> torch.dtype:
-        """The pipeline draws noise in the prompt embeddings' dtype (T5's)."""
-        te = getattr(self.pipe, "text_encoder_2", None)
-        return te.dtype if te is not None else self.dtype
-
     def prepare_latents(
         self,
         batch_size: int,
@@ -129,7 +124,7 @@ class FluxAdapter(DiffusionAdapter):
             self.num_channels_latents,
             height,
             width,
-            self.latents_dtype(),
+            torch.float32,  # trajectories are fp32 whatever the weights' dtype
             self.device,
             generator,
         )

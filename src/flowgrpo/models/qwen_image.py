@@ -123,9 +123,8 @@ class QwenImageAdapter(DiffusionAdapter):
         """Packed noise [B, (h/2)(w/2), 4 C] drawn as the pipeline draws it (same generator use)."""
         self._check_size(height, width)
         channels = self.transformer.config.in_channels // 4
-        dtype = self.pipe.text_encoder.dtype  # the pipeline uses prompt_embeds.dtype
-        return self.pipe.prepare_latents(
-            batch_size, channels, height, width, dtype, self.device, generator
+        return self.pipe.prepare_latents(  # fp32 whatever the weights' dtype
+            batch_size, channels, height, width, torch.float32, self.device, generator
         )
 
     # -- the model ----------------------------------------------------------------------------

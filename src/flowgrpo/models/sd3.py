@@ -95,11 +95,6 @@ class SD3Adapter(DiffusionAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
         return Schedule(scheduler.sigmas.float(), timesteps.float())
 
-    def latents_dtype(self) -> torch.dtype:
-        """The pipeline draws noise in the prompt embeddings' dtype (the text encoders')."""
-        te = getattr(self.pipe, "text_encoder", None)
-        return te.dtype if te is not None else self.dtype
-
     def prepare_latents(
         self,
         batch_size: int,
@@ -113,7 +108,7 @@ class SD3Adapter(DiffusionAdapter):
             self.in_channels,
             height,
             width,
-            self.latents_dtype(),
+            torch.float32,  # trajectories are fp32 whatever the weights' dtype
             self.device,
             generator,
         )

@@ -81,12 +81,12 @@ class ToyAdapter(DiffusionAdapter):
         width: int,
         generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> torch.Tensor:
-        """Noise [B, 1, 8, 8] (one generator, or one per sample as diffusers' randn_tensor)."""
+        """fp32 noise [B, 1, 8, 8] (one generator, or one per sample as diffusers' randn_tensor)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         self._check_size(height, width)
         shape = (batch_size, 1, height, width)
-        return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
 
     def forward(
         self,

@@ -119,8 +119,13 @@ def policy_step(
     prev_sample: torch.Tensor | None = None,
     generator: Generators = None,
     stochastic: torch.Tensor | None = None,
+    cfg_grad: str = "both",
 ) -> SDEStepOutput:
     """Guided velocity at (latents, sigma [B]) then one step to sigma_next [B] with log-prob.
+
+    With grad enabled the gradient flows through both guidance branches (``cfg_grad="both"``)
+    or, opt-in, through the conditional one only (``"cond_only"``, see
+    ``DiffusionAdapter.velocity``).
 
     ``stochastic`` [B] bool marks the samples that take an SDE step; the others take the
     deterministic Euler step (log_prob 0) and draw no noise, so a per-sample generator is only
@@ -135,6 +140,7 @@ def policy_step(
         guidance_scale=guidance_scale,
         height=height,
         width=width,
+        cfg_grad=cfg_grad,
     )
     step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max)
     if stochastic is None or bool(stochastic.all()):
@@ -245,7 +251,9 @@ def sample_trajectories(
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else float(sigmas[0])
     if latents is None:
         latents = adapter.prepare_latents(batch, height, width, generator)
-    latents = latents.to(device=adapter.device)
+    # trajectories are fp32 (fp64 stays fp64) whatever the transformer's dtype: a bf16 latent
+    # would make the training pass recompute a different log-prob than the rollout drew
+    latents = latents.to(adapter.device, torch.promote_types(latents.dtype, torch.float32))
     start, span, k = _trained_steps(
         batch,
         num_steps,
@@ -314,9 +322,12 @@ def trajectory_log_prob(
     trajectory: Trajectory,
     step: int,
     index: torch.Tensor | slice | None = None,
+    *,
+    cfg_grad: str = "both",
 ) -> SDEStepOutput:
     """Recompute log p(latents[:, step+1] | latents[:, step]) for samples ``index`` under
-    ``transformer`` (grad flows when enabled): the training-time twin of the rollout step."""
+    ``transformer`` (grad flows when enabled, through both guidance branches unless
+    ``cfg_grad="cond_only"``): the training-time twin of the rollout step."""
     traj = trajectory if index is None else trajectory.select(index)
     return policy_step(
         adapter,
@@ -333,4 +344,5 @@ def trajectory_log_prob(
         width=traj.width,
         sigma_max=traj.sigma_max,
         prev_sample=traj.latents[:, step + 1],
+        cfg_grad=cfg_grad,
     )

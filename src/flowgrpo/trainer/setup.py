@@ -81,6 +81,10 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
                 f"model.true_cfg_scale applies to FLUX pipelines only, not {type(pipe).__name__}"
             )
         options["true_cfg_scale"] = cfg.model.true_cfg_scale
+    if cfg.model.max_sequence_length is not None:
+        if is_toy(cfg):
+            raise ValueError("model.max_sequence_length does not apply to the toy model")
+        options["max_sequence_length"] = cfg.model.max_sequence_length
     return build_adapter(pipe, **options)
 
 
