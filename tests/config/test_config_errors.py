@@ -141,3 +141,14 @@ def test_unknown_preset_and_bad_override_syntax() -> None:
     assert _error("trainer.max_steps").startswith("override 'trainer.max_steps' must look like")
     assert "no reward 'ocr' in the reward list ['digits']" in _error("reward.ocr.weight=2")
     assert "did you mean 'reward.digits.weight'" in _error("reward.digits.wieght=2")
+
+
+def test_non_utf8_prompt_file_names_the_file_and_line(tmp_path) -> None:
+    latin1 = tmp_path / "prompts.txt"
+    latin1.write_bytes("a cat\nun caf\u00e9\n".encode("latin-1"))
+    msg = _error(f"data.train_prompts={latin1}", check_paths=True)
+    expected = f"prompt file {latin1}:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"
+    assert msg == f"config key 'data.train_prompts': {expected}"
+    with pytest.raises(ValueError) as info:  # what the trainer calls says the same
+        load_prompts(latin1)
+    assert str(info.value) == expected[len("prompt file ") :]

@@ -155,8 +155,17 @@ def _check_prompt_file(key: str, path: str) -> None:
         raise ConfigError(
             f"config key {key!r}: prompt file {path} must end in {', '.join(PROMPT_SUFFIXES)}"
         )
-    if p.stat().st_size == 0 or (p.suffix != ".parquet" and not p.read_text().strip()):
+    if p.stat().st_size == 0:
         raise ConfigError(f"config key {key!r}: prompt file {path} is empty")
+    if p.suffix.lower() != ".parquet":
+        from flowgrpo.data.prompts import read_text
+
+        try:
+            text = read_text(p)
+        except ValueError as e:  # "<file>:<line>: not UTF-8 text (...)"
+            raise ConfigError(f"config key {key!r}: prompt file {e}") from None
+        if not text.strip():
+            raise ConfigError(f"config key {key!r}: prompt file {path} is empty")
 
 
 COMMANDS = ("train", "eval", "sample", "export")
