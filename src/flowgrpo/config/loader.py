@@ -374,15 +374,21 @@ def _deep_merge(base: dict, top: Mapping) -> dict:
     return out
 
 
-def preset_dict(name: str, _seen: tuple[str, ...] = ()) -> tuple[dict, str]:
+def _looks_like_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or "/" in name or name.startswith("~")
+
+
+def preset_dict(name: str, _seen: tuple[str, ...] = (), _via: str = "") -> tuple[dict, str]:
     """(raw mapping, label) of a shipped preset name or a YAML file path. A file may start from
-    another preset with ``base: NAME_OR_PATH``."""
-    is_path = name.endswith((".yaml", ".yml")) or "/" in name or Path(name).is_file()
+    another preset with ``base: NAME_OR_PATH``; a relative path there is relative to the folder
+    of the file that names it (not the current folder), like an include."""
+    is_path = _looks_like_path(name) or Path(name).is_file()
     if is_path:
-        path = Path(name)
+        path = Path(name).expanduser()
         if not path.is_file():
-            raise ConfigError(f"config file not found: {name}")
+            raise ConfigError(f"config file not found: {name}{_via}")
         data, label = _read_yaml(path.read_text(), str(path)), path.stem
+        key = str(path.resolve())
     else:
         res = _preset_dir() / f"{name}.yaml"
         if not res.is_file():
@@ -390,15 +396,21 @@ def preset_dict(name: str, _seen: tuple[str, ...] = ()) -> tuple[dict, str]:
             guess = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
             hint = f"did you mean {guess[0]!r}? " if guess else ""
             raise ConfigError(
-                f"unknown preset {name!r} ({hint}available: {', '.join(names)}; "
+                f"unknown preset {name!r}{_via} ({hint}available: {', '.join(names)}; "
                 "or give a path to a .yaml file)"
             )
         data, label = _read_yaml(res.read_text(), f"preset {name!r}"), name
+        key = name
     base = data.pop("base", None)
     if base is not None:
-        if name in _seen:
+        if key in _seen:
             raise ConfigError(f"preset {name!r} inherits from itself via 'base'")
-        parent, _ = preset_dict(str(base), (*_seen, name))
+        parent_name = str(base)
+        if is_path:
+            beside = path.parent / Path(parent_name).expanduser()  # an absolute base stays
+            if _looks_like_path(parent_name) or beside.is_file():
+                parent_name = str(beside)
+        parent, _ = preset_dict(parent_name, (*_seen, key), f" (the 'base' of {name})")
         data = _deep_merge(parent, data)
     return data, label
 
