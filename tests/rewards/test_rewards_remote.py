@@ -296,3 +296,15 @@ def test_only_png_and_object_metadata_are_accepted():
         assert _post(server.url, [ok]) == (400, "the body must be a JSON object, got list")
     finally:
         server.close()
+
+
+def test_reward_calling_sys_exit_is_a_500_not_a_dropped_connection():
+    import sys
+
+    server = RewardHTTPServer(lambda i, p, m: sys.exit(2), name="quitter").start_in_thread()
+    try:
+        body = {"images": encode_images(torch.rand(1, 3, 8, 8)), "prompts": ["a"]}
+        assert _post(server.url, body) == (500, "reward 'quitter' failed: SystemExit: 2")
+        assert _post(server.url, body)[0] == 500  # the server still serves
+    finally:
+        server.close()

@@ -262,7 +262,9 @@ class _Handler(BaseHTTPRequestHandler):
                 }
             else:
                 scores = to_score_tensor(raw, b, name).tolist()
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit from a reward: a 500, not a dropped connection
             log.exception("reward %r failed", name)
             self._send(500, {"error": f"reward {name!r} failed: {type(e).__name__}: {e}"})
             return
