@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.resources
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -204,14 +205,27 @@ def apply_mapping(obj: Any, mapping: Mapping, prefix: str = "", origin: str = ""
 # -- rewards -----------------------------------------------------------------------------------
 
 
-def _reward_from_str(text: str) -> RewardConfig:
-    """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5' -> RewardConfig."""
-    name, sep, weight = text.rpartition(":")
+def _reward_from_str(text: str, key: str = "reward") -> RewardConfig:
+    """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5' -> RewardConfig. A tail that parses
+    as a non-finite float ('digits:nan', 'mymod:inf') is an error, not a weight nor a name."""
+    name, sep, tail = text.rpartition(":")
     if sep and name:
         try:
-            return RewardConfig(name=name.strip(), weight=float(weight))
+            weight = float(tail)
         except ValueError:
-            pass
+            return RewardConfig(name=text.strip())
+        if not math.isfinite(weight):
+            tail = tail.strip()
+            hint = (
+                f" (for a function named {tail!r} give a weight: {text.strip()}:1.0)"
+                if tail.isidentifier()
+                else ""
+            )
+            raise ConfigError(
+                f"config key {key!r}: weight of reward {name.strip()!r} must be a finite number, "
+                f"got {tail!r}{hint}"
+            )
+        return RewardConfig(name=name.strip(), weight=weight)
     return RewardConfig(name=text.strip())
 
 
@@ -240,7 +254,7 @@ def parse_rewards(value: Any, key: str = "reward", origin: str = "") -> list[Rew
         if isinstance(item, RewardConfig):
             out.append(copy.deepcopy(item))
         elif isinstance(item, str):
-            out.append(_reward_from_str(item))
+            out.append(_reward_from_str(item, here))
         elif isinstance(item, Mapping) and "name" not in item and len(item) == 1:
             ((name, weight),) = item.items()
             out.append(RewardConfig(name=str(name), weight=_coerce(weight, float, here)))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,10 @@ def _check_sections(cfg: Config) -> None:
         _need(
             bool(r.name.strip()), f"reward[{i}].name", "a registry name or module:function", r.name
         )
+        label = r.alias or r.name
+        _need(math.isfinite(r.weight), f"reward.{label}.weight", "a finite number", r.weight)
+        for k, w in (r.key_weights or {}).items():
+            _need(math.isfinite(w), f"reward.{label}.key_weights.{k}", "a finite number", w)
     labels = [r.alias or r.name for r in cfg.reward]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     _need(not dup, "reward", "a list of distinct rewards (give repeats an alias)", dup)

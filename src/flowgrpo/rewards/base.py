@@ -13,6 +13,7 @@ import copy
 import difflib
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +253,13 @@ class MultiReward:
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"reward names must be unique, {dup} repeated (set 'alias')")
+        for spec in self.specs:
+            weights = [spec.weight, *(spec.key_weights or {}).values()]
+            if not all(math.isfinite(float(w)) for w in weights):
+                raise ValueError(
+                    f"reward {spec.label!r}: weights must be finite numbers, got weight "
+                    f"{spec.weight} and key_weights {spec.key_weights}"
+                )
         self.fns: dict[str, RewardFn] = {
             s.label: build_reward(s.name, **s.options) for s in self.specs
         }
