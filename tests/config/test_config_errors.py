@@ -141,3 +141,57 @@ def test_unknown_preset_and_bad_override_syntax() -> None:
     assert _error("trainer.max_steps").startswith("override 'trainer.max_steps' must look like")
     assert "no reward 'ocr' in the reward list ['digits']" in _error("reward.ocr.weight=2")
     assert "did you mean 'reward.digits.weight'" in _error("reward.digits.wieght=2")
+
+
+def test_non_utf8_prompt_file_names_the_file_and_line(tmp_path) -> None:
+    latin1 = tmp_path / "prompts.txt"
+    latin1.write_bytes("a cat\nun caf\u00e9\n".encode("latin-1"))
+    msg = _error(f"data.train_prompts={latin1}", check_paths=True)
+    expected = f"prompt file {latin1}:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"
+    assert msg == f"config key 'data.train_prompts': {expected}"
+    with pytest.raises(ValueError) as info:  # what the trainer calls says the same
+        load_prompts(latin1)
+    assert str(info.value) == expected[len("prompt file ") :]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "reward=mymod:nan",
+            "config key 'reward[0]': weight of reward 'mymod' must be a finite number, got 'nan' "
+            "(for a function named 'nan' give a weight: mymod:nan:1.0)",
+        ),
+        (
+            "reward=digits:1,ocr:inf",
+            "config key 'reward[1]': weight of reward 'ocr' must be a finite number, got 'inf'",
+        ),
+        ("reward=digits:-Infinity", "weight of reward 'digits' must be a finite number"),
+        ("reward.digits.weight=nan", "config key 'reward.digits.weight' must be a finite number"),
+        ("reward={digits: .inf}", "config key 'reward.digits.weight' must be a finite number"),
+        (
+            "reward.digits.key_weights={acc: .nan}",
+            "config key 'reward.digits.key_weights.acc' must be a finite number, got nan",
+        ),
+    ],
+)
+def test_reward_weights_must_be_finite(override: str, expected: str) -> None:
+    msg = _error(override)
+    assert msg.startswith(expected) or ("config key" in msg and expected in msg), msg
+    assert "-Infinity:1.0" not in msg  # the hint is for names only
+
+
+def test_a_function_named_like_a_number_takes_a_weight() -> None:
+    from flowgrpo.config import RewardConfig
+
+    cfg = load_config(None, ["reward=mymod:nan:0.5,digits"], check_paths=False)
+    assert cfg.reward == [RewardConfig(name="mymod:nan", weight=0.5), RewardConfig("digits")]
+
+
+def test_multi_reward_rejects_non_finite_weights() -> None:
+    from flowgrpo.rewards import MultiReward, RewardSpec
+
+    with pytest.raises(ValueError, match="reward 'digits': weights must be finite numbers"):
+        MultiReward([RewardSpec("digits", float("nan"))])
+    with pytest.raises(ValueError, match="key_weights {'acc': inf}"):
+        MultiReward([RewardSpec("digits", 1.0, key_weights={"acc": float("inf")})])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from flowgrpo.config import (
@@ -158,4 +159,32 @@ def test_engine_config() -> None:
     assert Config().run.output_dir == "runs/{preset}"
     assert load_config(None, ["run.output_dir=out/{preset}"], check_paths=False).run.output_dir == (
         "out/toy-digits"
+    )
+
+
+def test_base_resolves_against_the_yaml_files_folder(tmp_path, monkeypatch) -> None:
+    """``base: common.yaml`` means the file beside the YAML, wherever flowgrpo runs from."""
+    conf = tmp_path / "configs"
+    (conf / "shared").mkdir(parents=True)
+    (conf / "shared" / "root.yaml").write_text("base: toy-digits\nseed: 11\n")
+    (conf / "common.yaml").write_text("base: shared/root.yaml\ntrainer: {max_steps: 7}\n")
+    (conf / "exp.yaml").write_text("base: common.yaml\ntrainer: {eval_every: 3}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "common.yaml").write_text("trainer: {max_steps: 99}\n")  # must not be used
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(str(conf / "exp.yaml"), check_paths=False)
+    assert (cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.seed) == (7, 3, 11)
+    assert cfg.model.kind == "toy" and cfg.preset == "exp"
+    monkeypatch.chdir(conf)  # a relative top-level path still resolves against the cwd
+    assert load_config("exp.yaml", check_paths=False).trainer.max_steps == 7
+
+    (conf / "loop.yaml").write_text("base: ./loop.yaml\n")
+    with pytest.raises(ValueError, match="inherits from itself"):
+        load_config(str(conf / "loop.yaml"), check_paths=False)
+    (conf / "orphan.yaml").write_text("base: gone.yaml\n")
+    with pytest.raises(ValueError) as info:
+        load_config(str(conf / "orphan.yaml"), check_paths=False)
+    assert str(info.value) == (
+        f"config file not found: {conf / 'gone.yaml'} (the 'base' of {conf / 'orphan.yaml'})"
     )

@@ -129,3 +129,12 @@ def test_k_repeat_resume_mid_epoch() -> None:
     other = KRepeatSampler(10, 3, 4, seed=8)
     with pytest.raises(ValueError, match="seed was 7, now 8"):
         other.load_state_dict(state)
+
+
+def test_non_utf8_file_is_named_and_a_bom_is_dropped(tmp_path) -> None:
+    jl = tmp_path / "p.jsonl"
+    jl.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"^.*p\.jsonl:2: not UTF-8 text \(byte 0xff\)"):
+        load_prompts(jl)
+    jl.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')  # UTF-8 with a BOM (Notepad)
+    assert load_prompts(jl).prompts == ["caf\u00e9"]

@@ -65,3 +65,86 @@ def test_load_rejects_lora_full_mismatch(dist1, tiny_traj, tmp_path):
     full = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("full", **{"loss.kl_beta": 0.0}))
     with pytest.raises(ValueError, match="lora"):
         load_checkpoint(full, tmp_path)
+
+
+class _Payload:
+    """Unpickling this runs a shell command that creates ``marker`` (a tampered checkpoint)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("name", ["engine_state.pt", "rng/rank_0.pt", ".metadata"])
+def test_tampered_checkpoint_is_refused_and_runs_nothing(dist1, tiny_traj, tmp_path, name):
+    import pickle
+
+    import torch
+
+    from flowgrpo.engine import DiffusersFSDPEngine
+
+    cfg = tm.make_config("clip", micro_batch_size=2)
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
+    ckpt = save_checkpoint(engine, tmp_path / "ckpt", 1)
+    marker = tmp_path / "pwned"
+    with open(ckpt / name, "wb") as f:
+        if name.endswith(".pt"):
+            torch.save({"step": _Payload(marker)}, f)
+        else:  # DCP writes .metadata with plain pickle
+            pickle.dump(_Payload(marker), f)
+
+    fresh = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    before = tm.trainable(fresh)
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(fresh, ckpt)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"refusing to load {ckpt / name}")
+    assert "system" in msg  # names what it refused
+    assert not marker.exists()
+    after = tm.trainable(fresh)  # refused before the engine was touched
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_tampered_dcp_entry_is_refused(dist1, tiny_traj, tmp_path):
+    """DCP stores non-tensor state (the optimizer's hyper-parameters) as pickles of its own,
+    which its default planner loads with weights_only=False."""
+    from flowgrpo.engine import DiffusersFSDPEngine
+
+    cfg = tm.make_config("clip", micro_batch_size=2)
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
+    marker = tmp_path / "pwned"
+    engine.optimizer.param_groups[0]["eps"] = _Payload(marker)
+    ckpt = save_checkpoint(engine, tmp_path / "ckpt", 0)
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=r"refusing to load .*step_0 \(entry 'optim\..*eps'\)"):
+        load_checkpoint(DiffusersFSDPEngine(tm.TinyAdapter(), cfg), ckpt)
+    assert not marker.exists()
+
+
+def test_rng_file_of_older_checkpoints_still_loads(dist1, tmp_path):
+    """Before weights-only loading, rng files held python's tuple and numpy's ndarray."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from flowgrpo.engine import DiffusersFSDPEngine
+
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("clip"))
+    ckpt = save_checkpoint(engine, tmp_path, 0)
+    random.seed(5), np.random.seed(6), torch.manual_seed(7)
+    old = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    torch.save(old, ckpt / "rng" / "rank_0.pt")
+    load_checkpoint(engine, ckpt)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want

@@ -218,3 +218,52 @@ def test_import_path_label_and_alias():
 def test_digits_name_resolves_to_the_toy_reward():
     mod = pytest.importorskip("flowgrpo.rewards.digits")
     assert build_reward("digits") is mod.digits_reward
+
+
+def test_reward_calling_sys_exit_is_a_reward_failure():
+    """SystemExit is no Exception: it used to end training with status 0 and no message."""
+    import sys
+
+    images, prompts, meta = _batch(b=2)
+    for exit_arg, shown in [(3, "SystemExit: 3"), (None, "SystemExit"), ("bye", "SystemExit: bye")]:
+        quitter = MultiReward.from_functions({"quitter": lambda i, p, m, a=exit_arg: sys.exit(a)})
+        with pytest.raises(RuntimeError) as info:
+            quitter(images, prompts, meta)
+        assert str(info.value) == f"reward 'quitter' failed: {shown}"
+        assert info.value.reward_name == "quitter"
+    with AsyncRewardScorer(
+        MultiReward.from_functions({"quitter": lambda i, p, m: sys.exit(0)})
+    ) as s:
+        with pytest.raises(RuntimeError, match="^reward 'quitter' failed: SystemExit: 0$"):
+            s.submit(images, prompts, meta).result(timeout=5)
+
+    def interrupted(images, prompts, metadata):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C still stops the run
+        MultiReward.from_functions({"ctrl_c": interrupted})(images, prompts, meta)
+
+
+def test_rewards_get_copies_they_cannot_corrupt():
+    def vandal(images, prompts, metadata):
+        images.mul_(0)
+        prompts[0] = "edited"
+        metadata[0]["digit"] = -1
+        metadata[1]["tags"].append("edited")
+        return [0.0] * images.shape[0]
+
+    def witness(images, prompts, metadata):
+        seen.append((images.clone(), list(prompts), metadata))
+        return images.mean(dim=(1, 2, 3))
+
+    seen = []
+    images, prompts, _ = _batch(b=2)
+    meta = [{"digit": 3}, {"tags": ["a"]}]
+    keep = (images.clone(), list(prompts), [{"digit": 3}, {"tags": ["a"]}])
+    out = MultiReward.from_functions({"vandal": vandal, "witness": witness})(images, prompts, meta)
+    assert torch.equal(images, keep[0]) and prompts == keep[1] and meta == keep[2]
+    torch.testing.assert_close(out["witness"], keep[0].mean(dim=(1, 2, 3)), rtol=0, atol=0)
+    assert torch.equal(seen[0][0], keep[0]) and seen[0][1:] == keep[1:]
+    bf16 = images.bfloat16()  # a non-fp32 batch reaches the reward as fp32, once
+    MultiReward.from_functions({"witness": witness})(bf16, prompts, meta)
+    assert seen[-1][0].dtype == torch.float32 and torch.equal(seen[-1][0], bf16.float())

@@ -123,6 +123,7 @@ def test_dict_reward_over_http_and_cli_parser():
         + ["--option", "batch_size=8"]
     )
     assert (args.host, args.port, args.max_request_mb) == ("127.0.0.1", 9, 256.0)
+    assert (args.max_pixels, args.max_request_pixels) == (4096 * 4096, 64 * 1024 * 1024)
     assert dict(args.option) == {"path": "/m", "batch_size": 8}
     assert args.func.__name__ == "run_reward_server_cli"
 
@@ -151,3 +152,159 @@ def test_cli_entry_serves_until_shutdown(monkeypatch):
             started[0].shutdown()
         thread.join(timeout=5)
     assert started[-1] == 0  # exit code
+
+
+def _blank_png(w, h):
+    """A valid grayscale PNG of a black w x h image, built row by row (never held decoded)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    comp, row = zlib.compressobj(9), bytes(1 + w)  # filter byte 0 + w zero pixels
+    idat = b"".join(comp.compress(row) for _ in range(h)) + comp.flush()
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _post(url, body):
+    """POST a JSON body -> (status, error message or answer)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+def _vm(pid, field):
+    """VmHWM / VmRSS of a process in MiB, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_pixel_bomb_is_413_without_decoding_and_rss_stays_flat():
+    """Two blank 12000x12000 PNGs are 0.37 MB of base64 but 288 M pixels: decoding them takes
+    >= 0.29 GB as uint8 and 1.2 GB as float (old server: 3.8 GB). The header says so first."""
+    import base64
+    import subprocess
+    import sys
+
+    script = (
+        "import argparse\n"
+        "from flowgrpo.rewards.server import add_reward_server_parser\n"
+        "p = argparse.ArgumentParser()\n"
+        "add_reward_server_parser(p.add_subparsers(dest='cmd'))\n"
+        "a = p.parse_args(['reward-server', '--reward', 'jpeg_compressibility', '--port', '0'])\n"
+        "a.func(a, lambda s: print(s.url, flush=True))\n"
+    )
+    png = base64.b64encode(_blank_png(12000, 12000)).decode()
+    body = {"images": [png, png], "prompts": ["a", "b"], "metadata": [{}, {}]}
+    assert len(json.dumps(body)) < 0.4e6
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        status, _ = _post(url, {"images": [encode_images(torch.rand(1, 3, 8, 8))[0]],
+                                "prompts": ["warm-up"]})  # fmt: skip
+        assert status == 200  # the server is warm: imports, first PIL decode, first reward call
+        before = _vm(proc.pid, "VmHWM")
+        status, msg = _post(url, body)
+        after = _vm(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    print(f"reward server peak RSS {before:.0f} MiB -> {after:.0f} MiB")
+    assert status == 413
+    assert "image 0 is 12000x12000 = 144000000 pixels" in msg and "--max-pixels" in msg
+    assert after - before < 32, (before, after)  # decoding would add >= 275 MiB
+
+
+def test_pixel_caps_per_image_and_per_request(monkeypatch):
+    from PIL import PngImagePlugin
+
+    decoded = []
+    load = PngImagePlugin.PngImageFile.load
+    monkeypatch.setattr(
+        PngImagePlugin.PngImageFile, "load", lambda self: decoded.append(self.size) or load(self)
+    )
+    fn = build_reward("jpeg_compressibility")
+    server = RewardHTTPServer(fn, max_pixels=24 * 24, max_request_pixels=2 * 24 * 24)
+    server.start_in_thread()
+    try:
+        images, prompts, meta = _batch(3)
+        body = {"images": encode_images(images), "prompts": prompts, "metadata": meta}
+        status, msg = _post(server.url, body)  # 3 images of 576 pixels: 1728 > 1152
+        assert status == 413 and "3 images of 1728 pixels in all" in msg
+        assert "--max-request-pixels" in msg
+        status, msg = _post(server.url, {**body, "images": encode_images(torch.rand(3, 3, 24, 25))})
+        assert status == 413 and msg.startswith("image 0 is 25x24 = 600 pixels, over the cap")
+        assert decoded == []  # neither request decoded a single image
+        two = {"images": body["images"][:2], "prompts": prompts[:2], "metadata": meta[:2]}
+        status, answer = _post(server.url, two)  # at the caps: scored
+        assert status == 200 and set(decoded) == {(24, 24)}
+        torch.testing.assert_close(
+            torch.tensor(answer["scores"]), fn(images[:2], prompts[:2], meta[:2])
+        )
+    finally:
+        server.close()
+
+
+def test_only_png_and_object_metadata_are_accepted():
+    import base64
+    import io
+
+    from PIL import Image
+
+    def encoded(fmt):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, format=fmt)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    server = RewardHTTPServer(build_reward("jpeg_compressibility")).start_in_thread()
+    png = encoded("PNG")
+    ok = {"images": [png, png], "prompts": ["a", "b"], "metadata": [{}, {"k": 1}]}
+    cases = [
+        ({"metadata": "x"}, 400, "'metadata' must be a list of JSON objects"),
+        ({"metadata": [1, 2]}, 400, "'metadata' must be a list of JSON objects"),
+        ({"metadata": [{}]}, 400, "metadata must be a list of 2 dicts"),
+        ({"prompts": ["a", 2]}, 400, "'prompts' must be a list of strings"),
+        ({"images": [png, encoded("JPEG")]}, 415, "image 1 is not a PNG"),
+        ({"images": [encoded("GIF"), png]}, 415, "image 0 is not a PNG"),
+        ({"images": [png, "not base64!"]}, 400, "image 1 is not valid base64"),
+        (
+            {"images": [png, base64.b64encode(b"\x89PNG\r\n\x1a\nrest").decode()]},
+            400,
+            "not a valid PNG",
+        ),
+        ({"images": png}, 400, "'images' must be a non-empty list"),
+    ]
+    try:
+        assert _post(server.url, ok)[0] == 200
+        assert _post(server.url, {**ok, "metadata": None})[0] == 200  # absent: empty objects
+        for change, code, text in cases:
+            status, msg = _post(server.url, {**ok, **change})
+            assert (status, text in msg) == (code, True), (change, status, msg)
+        other = encode_images(torch.rand(1, 3, 8, 9))[0]
+        status, msg = _post(server.url, {**ok, "images": [png, other]})
+        assert status == 400 and "must share a size" in msg
+        assert _post(server.url, [ok]) == (400, "the body must be a JSON object, got list")
+    finally:
+        server.close()
+
+
+def test_reward_calling_sys_exit_is_a_500_not_a_dropped_connection():
+    import sys
+
+    server = RewardHTTPServer(lambda i, p, m: sys.exit(2), name="quitter").start_in_thread()
+    try:
+        body = {"images": encode_images(torch.rand(1, 3, 8, 8)), "prompts": ["a"]}
+        assert _post(server.url, body) == (500, "reward 'quitter' failed: SystemExit: 2")
+        assert _post(server.url, body)[0] == 500  # the server still serves
+    finally:
+        server.close()

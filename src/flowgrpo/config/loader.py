@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.resources
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -204,14 +205,27 @@ def apply_mapping(obj: Any, mapping: Mapping, prefix: str = "", origin: str = ""
 # -- rewards -----------------------------------------------------------------------------------
 
 
-def _reward_from_str(text: str) -> RewardConfig:
-    """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5' -> RewardConfig."""
-    name, sep, weight = text.rpartition(":")
+def _reward_from_str(text: str, key: str = "reward") -> RewardConfig:
+    """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5' -> RewardConfig. A tail that parses
+    as a non-finite float ('digits:nan', 'mymod:inf') is an error, not a weight nor a name."""
+    name, sep, tail = text.rpartition(":")
     if sep and name:
         try:
-            return RewardConfig(name=name.strip(), weight=float(weight))
+            weight = float(tail)
         except ValueError:
-            pass
+            return RewardConfig(name=text.strip())
+        if not math.isfinite(weight):
+            tail = tail.strip()
+            hint = (
+                f" (for a function named {tail!r} give a weight: {text.strip()}:1.0)"
+                if tail.isidentifier()
+                else ""
+            )
+            raise ConfigError(
+                f"config key {key!r}: weight of reward {name.strip()!r} must be a finite number, "
+                f"got {tail!r}{hint}"
+            )
+        return RewardConfig(name=name.strip(), weight=weight)
     return RewardConfig(name=text.strip())
 
 
@@ -240,7 +254,7 @@ def parse_rewards(value: Any, key: str = "reward", origin: str = "") -> list[Rew
         if isinstance(item, RewardConfig):
             out.append(copy.deepcopy(item))
         elif isinstance(item, str):
-            out.append(_reward_from_str(item))
+            out.append(_reward_from_str(item, here))
         elif isinstance(item, Mapping) and "name" not in item and len(item) == 1:
             ((name, weight),) = item.items()
             out.append(RewardConfig(name=str(name), weight=_coerce(weight, float, here)))
@@ -374,15 +388,21 @@ def _deep_merge(base: dict, top: Mapping) -> dict:
     return out
 
 
-def preset_dict(name: str, _seen: tuple[str, ...] = ()) -> tuple[dict, str]:
+def _looks_like_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or "/" in name or name.startswith("~")
+
+
+def preset_dict(name: str, _seen: tuple[str, ...] = (), _via: str = "") -> tuple[dict, str]:
     """(raw mapping, label) of a shipped preset name or a YAML file path. A file may start from
-    another preset with ``base: NAME_OR_PATH``."""
-    is_path = name.endswith((".yaml", ".yml")) or "/" in name or Path(name).is_file()
+    another preset with ``base: NAME_OR_PATH``; a relative path there is relative to the folder
+    of the file that names it (not the current folder), like an include."""
+    is_path = _looks_like_path(name) or Path(name).is_file()
     if is_path:
-        path = Path(name)
+        path = Path(name).expanduser()
         if not path.is_file():
-            raise ConfigError(f"config file not found: {name}")
+            raise ConfigError(f"config file not found: {name}{_via}")
         data, label = _read_yaml(path.read_text(), str(path)), path.stem
+        key = str(path.resolve())
     else:
         res = _preset_dir() / f"{name}.yaml"
         if not res.is_file():
@@ -390,15 +410,21 @@ def preset_dict(name: str, _seen: tuple[str, ...] = ()) -> tuple[dict, str]:
             guess = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
             hint = f"did you mean {guess[0]!r}? " if guess else ""
             raise ConfigError(
-                f"unknown preset {name!r} ({hint}available: {', '.join(names)}; "
+                f"unknown preset {name!r}{_via} ({hint}available: {', '.join(names)}; "
                 "or give a path to a .yaml file)"
             )
         data, label = _read_yaml(res.read_text(), f"preset {name!r}"), name
+        key = name
     base = data.pop("base", None)
     if base is not None:
-        if name in _seen:
+        if key in _seen:
             raise ConfigError(f"preset {name!r} inherits from itself via 'base'")
-        parent, _ = preset_dict(str(base), (*_seen, name))
+        parent_name = str(base)
+        if is_path:
+            beside = path.parent / Path(parent_name).expanduser()  # an absolute base stays
+            if _looks_like_path(parent_name) or beside.is_file():
+                parent_name = str(beside)
+        parent, _ = preset_dict(parent_name, (*_seen, key), f" (the 'base' of {name})")
         data = _deep_merge(parent, data)
     return data, label
 

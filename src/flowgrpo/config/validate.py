@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,10 @@ def _check_sections(cfg: Config) -> None:
         _need(
             bool(r.name.strip()), f"reward[{i}].name", "a registry name or module:function", r.name
         )
+        label = r.alias or r.name
+        _need(math.isfinite(r.weight), f"reward.{label}.weight", "a finite number", r.weight)
+        for k, w in (r.key_weights or {}).items():
+            _need(math.isfinite(w), f"reward.{label}.key_weights.{k}", "a finite number", w)
     labels = [r.alias or r.name for r in cfg.reward]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     _need(not dup, "reward", "a list of distinct rewards (give repeats an alias)", dup)
@@ -163,8 +168,17 @@ def _check_prompt_file(key: str, path: str) -> None:
         raise ConfigError(
             f"config key {key!r}: prompt file {path} must end in {', '.join(PROMPT_SUFFIXES)}"
         )
-    if p.stat().st_size == 0 or (p.suffix != ".parquet" and not p.read_text().strip()):
+    if p.stat().st_size == 0:
         raise ConfigError(f"config key {key!r}: prompt file {path} is empty")
+    if p.suffix.lower() != ".parquet":
+        from flowgrpo.data.prompts import read_text
+
+        try:
+            text = read_text(p)
+        except ValueError as e:  # "<file>:<line>: not UTF-8 text (...)"
+            raise ConfigError(f"config key {key!r}: prompt file {e}") from None
+        if not text.strip():
+            raise ConfigError(f"config key {key!r}: prompt file {path} is empty")
 
 
 COMMANDS = ("train", "eval", "sample", "export")

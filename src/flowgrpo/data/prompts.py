@@ -11,6 +11,7 @@ draw is a pure function of (seed, step), so resuming only needs the step number.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,21 @@ def digit_prompts() -> PromptDataset:
     )
 
 
+def read_text(path: str | Path) -> str:
+    """A prompt file's text as UTF-8 (a leading BOM dropped); ValueError naming the file, the
+    line and the offending byte otherwise (Python's own error names neither file nor line)."""
+    raw = Path(path).expanduser().read_bytes()
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
+        ) from None
+
+
 def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptDataset:
     """rows: (line or row number, record) -> dataset; errors name ``path`` and the number."""
     prompts, meta = [], []
@@ -81,7 +97,7 @@ def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptD
 
 def _load_jsonl(path: Path) -> PromptDataset:
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -105,14 +121,14 @@ def load_prompts(path: str | Path) -> PromptDataset:
     """A PromptDataset from a .txt, .jsonl or .parquet file.
 
     Raises FileNotFoundError for a missing file, ValueError (naming file and line) for an
-    empty file, a bad JSON line or a row without a ``prompt``.
+    empty file, text that is not UTF-8, a bad JSON line or a row without a ``prompt``.
     """
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     suffix = p.suffix.lower()
     if suffix == ".txt":
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = read_text(p).splitlines()
         ds = PromptDataset([s.strip() for s in lines if s.strip()], source=str(p))
     elif suffix == ".jsonl":
         ds = _load_jsonl(p)

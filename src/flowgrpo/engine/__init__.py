@@ -11,6 +11,7 @@ _EXPORTS = {
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
+    "UnsafeCheckpointError": "checkpoint",
     "EMAConfig": "config",
     "EngineConfig": "config",
     "FSDPConfig": "config",

@@ -9,11 +9,19 @@ Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when com
 - ``rng/rank_<r>.pt``: python, numpy, torch (and CUDA) RNG states of every rank.
 - ``trainer_state.json``: the trainer's ``extra`` dict (rank 0).
 - ``meta.json``: world size, step, LoRA or full; ``COMPLETE``: written last, before the rename.
+
+Loading never runs code from the checkpoint: the ``.pt`` files hold only tensors, numbers,
+strings and containers and are read with ``torch.load(weights_only=True)``; DCP's non-tensor
+entries are read the same way (its default planner would unpickle them freely), and its
+pickled ``.metadata`` is unpickled with an allow-list of DCP's own classes. Anything else is
+refused with a ValueError naming the file.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import random
 import re
 import shutil
@@ -25,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -52,9 +62,22 @@ def _dcp_state(engine) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    """Every RNG state as tensors, numbers and strings (loadable with weights_only=True)."""
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -63,11 +86,115 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, dict):
+        internal = tuple(int(x) for x in py["internal"].tolist())
+        random.setstate((py["version"], internal, py["gauss_next"]))
+    else:  # checkpoints before weights-only loading: python's own tuple
+        random.setstate(py)
+    if isinstance(npy, dict):
+        keys = npy["keys"].numpy().astype(np.uint32)
+        np.random.set_state(
+            (npy["name"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+        )
+    else:  # older checkpoints: numpy's tuple with an ndarray
+        np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# Older rng files hold a numpy array: rebuilding one runs no code beyond numpy's constructor.
+_NUMPY_ARRAY_GLOBALS = [
+    np.ndarray((0,)).__reduce__()[0],  # numpy's multiarray._reconstruct, wherever numpy puts it
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
+_TRUST = "only load checkpoints you or your own runs wrote"
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled objects beyond plain data: loading it could run code."""
+
+
+def _refuse(what: str, why: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"refusing to load {what}: {why}; {_TRUST}")
+
+
+def _load_plain(file: Path | io.BytesIO, what: str, *, numpy_arrays: bool = False) -> Any:
+    """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only; a
+    pickle that would build anything else (run code) is refused with a ValueError."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS if numpy_arrays else []):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        culprit = re.search(r"GLOBAL (\S+)", str(e))
+        why = f"it holds a pickled {culprit.group(1)}" if culprit else first
+        raise _refuse(what, f"{why}, not only tensors, numbers and strings") from None
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that non-tensor entries (optimizer hyper-parameters) are
+    read with weights_only=True (DCP itself unpickles them with weights_only=False)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = _load_plain(value, f"{self.path} (entry {read_item.dest_index.fqn!r})")
+        clean = io.BytesIO()
+        torch.save(obj, clean)  # re-serialised plain data: safe for DCP's own unpickling
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+# Every global a DCP ``.metadata`` of this project holds (torch 2.13), and nothing else.
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_DCP_GLOBALS = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(
+        (_DCP_MD, n)
+        for n in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it holds a pickled {module}.{name}")
+
+
+def _check_dcp_metadata(path: Path) -> None:
+    """DCP unpickles ``.metadata`` with plain pickle: unpickle it first with DCP's classes
+    allowed and nothing else, so a tampered file is refused before DCP reads it."""
+    file = path / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path} has no DCP {file.name} file") from None
+    except Exception as e:
+        why = str(e) if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {e}"
+        raise _refuse(str(file), f"{why}, not only DCP's own metadata") from None
 
 
 def _write_files(engine, tmp: Path, step: int, extra: dict | None) -> None:
@@ -163,7 +290,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     """Restore ``engine`` from a checkpoint directory, or from the newest complete one under a
-    root (collective). Works across world sizes. Returns (step, extra)."""
+    root (collective). Works across world sizes. Returns (step, extra).
+
+    Runs no code from the checkpoint: a file holding anything but plain data (tensors,
+    numbers, strings; DCP's own metadata classes) is refused with a ValueError naming it,
+    before the engine is changed."""
     path = Path(path)
     if not (path / MARKER).is_file():
         found = latest_checkpoint(path)
@@ -175,12 +306,23 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
         raise ValueError(
             f"checkpoint {path} has lora={meta['lora']}, engine lora={engine.use_lora}"
         )
+    # Everything that is unpickled is checked before the engine is touched.
+    es = _load_plain(path / "engine_state.pt", str(path / "engine_state.pt"))
+    rng_file = path / "rng" / f"rank_{engine.dist.rank}.pt"
+    rng = _load_plain(rng_file, str(rng_file), numpy_arrays=True) if rng_file.is_file() else None
+    _check_dcp_metadata(path)
     state = _dcp_state(engine)
     if meta["ema"] and "ema" not in state:
         warnings.warn(f"{path} holds EMA weights but EMA is off: ignoring them", stacklevel=2)
     if not meta["ema"]:
         state.pop("ema", None)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyPlanner(path))
+    except CheckpointException as e:  # DCP wraps every rank's error in a multi-line report
+        refused = [x for x, _ in e.failures.values() if isinstance(x, UnsafeCheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
     set_state_dict(
         engine.model,
         engine.optimizer,
@@ -193,7 +335,6 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
             engine.ema.load_state_dict(state["ema"], engine.param_names)
         else:  # checkpoint without EMA: start the EMA from the loaded weights
             engine.ema = EMA(engine.params, engine.ema.decay, engine.ema.update_every)
-    es = torch.load(path / "engine_state.pt", weights_only=False)
     engine.step = es["step"]
     engine.optimizer_steps = es["optimizer_steps"]
     engine.consecutive_skips = es["consecutive_skips"]
@@ -201,9 +342,8 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     o = engine.config.optim  # LambdaLR restores its lambda's fields: the current config wins
     engine.scheduler.lr_lambdas[0] = LRLambda(o.lr_schedule, o.warmup_steps, o.total_steps)
     engine.generator.set_state(es["generator"])
-    rng_file = path / "rng" / f"rank_{engine.dist.rank}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    if rng is not None:
+        _set_rng_state(rng)
     else:
         warnings.warn(
             f"{path} has no RNG state for rank {engine.dist.rank} (saved with world size "
@@ -216,4 +356,10 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     return int(meta["step"]), extra
 
 
-__all__ = ["MARKER", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "MARKER",
+    "UnsafeCheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -9,9 +9,11 @@ module never imports transformers or onnxruntime.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import difflib
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,7 +240,9 @@ class MultiReward:
     """Evaluate several rewards on one batch -> ``{name: Tensor[B] float32}``.
 
     A component returning a dict contributes entries named ``"<label>/<key>"``. ``.weights``
-    gives the weight of every output name (for ``combine_rewards``).
+    gives the weight of every output name (for ``combine_rewards``). Each reward gets its own
+    copy of the images and metadata; any exception it raises, SystemExit included (not
+    KeyboardInterrupt), becomes ``RuntimeError("reward 'NAME' failed: ...")``.
     """
 
     def __init__(self, specs: Sequence[RewardSpec] | Any) -> None:
@@ -249,6 +253,13 @@ class MultiReward:
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"reward names must be unique, {dup} repeated (set 'alias')")
+        for spec in self.specs:
+            weights = [spec.weight, *(spec.key_weights or {}).values()]
+            if not all(math.isfinite(float(w)) for w in weights):
+                raise ValueError(
+                    f"reward {spec.label!r}: weights must be finite numbers, got weight "
+                    f"{spec.weight} and key_weights {spec.key_weights}"
+                )
         self.fns: dict[str, RewardFn] = {
             s.label: build_reward(s.name, **s.options) for s in self.specs
         }
@@ -289,17 +300,21 @@ class MultiReward:
         if metadata is None:
             metadata = [{} for _ in prompts]
         validate_images(images, prompts, metadata)
-        images = images.float()
         prompts, metadata = list(prompts), list(metadata)
         b = images.shape[0]
         out: dict[str, torch.Tensor] = {}
         for label, fn in self.fns.items():
+            # Each reward gets its own copy of the inputs: one that edits them in place
+            # (images.mul_(0), metadata[i]["k"] = ...) cannot corrupt the caller's eval images
+            # and grids, nor the next reward's input. A copy is cheap next to any real reward.
+            mine = images.to(torch.float32, copy=True)
             try:
-                raw = fn(images, prompts, metadata)
-            except Exception as e:
-                raise _tag(
-                    RuntimeError(f"reward {label!r} failed: {type(e).__name__}: {e}"), label
-                ) from e
+                raw = fn(mine, list(prompts), copy.deepcopy(metadata))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # SystemExit too: a reward must not end the run quietly
+                what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                raise _tag(RuntimeError(f"reward {label!r} failed: {what}"), label) from e
             try:
                 if isinstance(raw, Mapping):
                     if not raw:

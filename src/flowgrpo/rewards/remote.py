@@ -4,6 +4,7 @@ Protocol: ``POST <url>`` with JSON ``{"images": [base64 PNG, ...], "prompts": [.
 "metadata": [...]}`` (optional header ``Authorization: Bearer <token>``); the answer is
 ``{"scores": [B floats]}`` or ``{"scores": {key: [B floats]}}``, or on error ``{"error": msg}``
 with a 4xx/5xx status. ``GET <base>/health`` answers ``{"status": "ok", "reward": name}``.
+The server (server.py) refuses images over its pixel caps with 413, read from the PNG headers.
 """
 
 from __future__ import annotations

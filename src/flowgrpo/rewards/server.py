@@ -3,25 +3,130 @@
 ``flowgrpo reward-server --reward ocr --port 8000`` binds 127.0.0.1 unless ``--host`` says
 otherwise. Optional bearer token (401 on mismatch), request size limit (413), ``GET /health``.
 One request is scored at a time (rewards need not be thread-safe); requests queue meanwhile.
+
+Memory is bounded by pixels, not only bytes: a PNG of a blank 12000x12000 image is 0.2 MB but
+holds 144 M pixels (0.4 GB as RGB, 1.7 GB as a float32 RGB tensor). Each image's size is read from its PNG header before any
+decoding, and a request over ``--max-pixels`` per image or ``--max-request-pixels`` in all is
+refused with 413. Only base64 PNG is accepted (415 otherwise); metadata must be a list of
+objects (400 otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import hmac
+import io
 import json
 import logging
 import os
+import struct
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+from PIL import Image
+
+from flowgrpo.rewards._image import from_pil
 from flowgrpo.rewards.base import RewardFn, build_reward, to_score_tensor, validate_images
-from flowgrpo.rewards.remote import TOKEN_ENV, decode_images
+from flowgrpo.rewards.remote import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_MB = 256.0
+# Per image: 4x the largest size the supported models generate (FLUX at 2048x2048 = 4.2 MP);
+# decoding one costs ~20 bytes a pixel (uint8 planes + float32 tensor), 0.3 GB at the cap.
+DEFAULT_MAX_PIXELS = 4096 * 4096
+# Per request: a batch of 64 images of 1024x1024 (16 of 2048x2048); ~0.8 GB as float32.
+DEFAULT_MAX_REQUEST_PIXELS = 64 * 1024 * 1024
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class RequestError(ValueError):
+    """A request the server refuses: HTTP ``code`` with a one-line message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _png_header(i: int, data: Any) -> tuple[bytes, int, int]:
+    """Base64 PNG -> (bytes, width, height), the size read from the IHDR chunk (the first
+    chunk of every PNG); nothing is decoded."""
+    if not isinstance(data, str):
+        raise RequestError(400, f"image {i} must be a base64 string, got {type(data).__name__}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RequestError(400, f"image {i} is not valid base64: {e}") from None
+    if not raw.startswith(PNG_SIGNATURE):
+        raise RequestError(
+            415, f"image {i} is not a PNG (starts with {raw[:8]!r}); send base64 PNG images"
+        )
+    if len(raw) < 24 or raw[12:16] != b"IHDR":
+        raise RequestError(400, f"image {i} is not a valid PNG: no IHDR header")
+    width, height = struct.unpack(">II", raw[16:24])
+    return raw, width, height
+
+
+def _decode_png(i: int, raw: bytes) -> Image.Image:
+    try:
+        img = Image.open(io.BytesIO(raw), formats=["PNG"])
+        img.load()
+    except Image.DecompressionBombError as e:  # PIL's own cap, when --max-pixels is above it
+        raise RequestError(413, f"image {i}: {e}") from None
+    except Exception as e:
+        raise RequestError(400, f"image {i} is not a valid PNG: {e}") from None
+    return img
+
+
+def read_images(data: Any, max_pixels: int, max_request_pixels: int) -> torch.Tensor:
+    """Base64 PNGs -> [B, C, H, W] float32 in [0, 1]. Sizes come from the PNG headers and are
+    checked against the pixel caps (413) before anything is decoded."""
+    if not isinstance(data, list) or not data:
+        raise RequestError(400, "'images' must be a non-empty list of base64 PNG strings")
+    headers = [_png_header(i, d) for i, d in enumerate(data)]
+    total = 0
+    for i, (_, w, h) in enumerate(headers):
+        if w * h > max_pixels:
+            raise RequestError(
+                413,
+                f"image {i} is {w}x{h} = {w * h} pixels, over the cap of {max_pixels} per "
+                "image (--max-pixels)",
+            )
+        total += w * h
+    if total > max_request_pixels:
+        raise RequestError(
+            413,
+            f"{len(headers)} images of {total} pixels in all, over the cap of "
+            f"{max_request_pixels} per request (--max-request-pixels); send smaller batches",
+        )
+    sizes = sorted({(w, h) for _, w, h in headers})
+    if len(sizes) > 1:
+        raise RequestError(400, f"images in one request must share a size, got {sizes}")
+    return from_pil([_decode_png(i, raw) for i, (raw, _, _) in enumerate(headers)])
+
+
+def parse_request(req: Any, max_pixels: int, max_request_pixels: int) -> tuple:
+    """The JSON body -> (images, prompts, metadata), or RequestError naming what is wrong."""
+    if not isinstance(req, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {type(req).__name__}")
+    missing = [k for k in ("images", "prompts") if k not in req]
+    if missing:
+        raise RequestError(400, f"the body misses {missing}: send images, prompts, metadata")
+    prompts = req["prompts"]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise RequestError(400, "'prompts' must be a list of strings")
+    metadata = req.get("metadata")
+    if metadata is None:
+        metadata = [{} for _ in prompts]
+    if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+        raise RequestError(400, "'metadata' must be a list of JSON objects, one per image")
+    images = read_images(req["images"], max_pixels, max_request_pixels)
+    validate_images(images, prompts, metadata)
+    return images, prompts, metadata
 
 
 class RewardHTTPServer(ThreadingHTTPServer):
@@ -38,11 +143,21 @@ class RewardHTTPServer(ThreadingHTTPServer):
         port: int = 0,
         token: str | None = None,
         max_request_bytes: int = int(DEFAULT_MAX_REQUEST_MB * 2**20),
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
     ) -> None:
+        if min(max_request_bytes, max_pixels, max_request_pixels) < 1:
+            raise ValueError(
+                "reward server limits must be >= 1, got max_request_bytes="
+                f"{max_request_bytes}, max_pixels={max_pixels}, "
+                f"max_request_pixels={max_request_pixels}"
+            )
         self.reward = reward
         self.reward_name = name
         self.token = token or None
         self.max_request_bytes = int(max_request_bytes)
+        self.max_pixels = int(max_pixels)
+        self.max_request_pixels = int(max_request_pixels)
         self.score_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
@@ -128,10 +243,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             req = json.loads(self.rfile.read(int(length)))
-            images = decode_images(req["images"])
-            prompts = [str(p) for p in req["prompts"]]
-            metadata = req.get("metadata") or [{} for _ in prompts]
-            validate_images(images, prompts, metadata)
+            srv = self.server
+            images, prompts, metadata = parse_request(req, srv.max_pixels, srv.max_request_pixels)
+        except RequestError as e:
+            self._send(e.code, {"error": str(e)})
+            return
         except (ValueError, KeyError, TypeError) as e:
             self._send(400, {"error": f"bad request: {type(e).__name__}: {e}"})
             return
@@ -146,7 +262,9 @@ class _Handler(BaseHTTPRequestHandler):
                 }
             else:
                 scores = to_score_tensor(raw, b, name).tolist()
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit from a reward: a 500, not a dropped connection
             log.exception("reward %r failed", name)
             self._send(500, {"error": f"reward {name!r} failed: {type(e).__name__}: {e}"})
             return
@@ -160,6 +278,8 @@ def serve_reward(
     port: int = 0,
     token: str | None = None,
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
     options: dict[str, Any] | None = None,
 ) -> RewardHTTPServer:
     """Build the reward ``name`` (registry name or import path) and a server for it (not started)."""
@@ -171,6 +291,8 @@ def serve_reward(
         port=port,
         token=token,
         max_request_bytes=int(max_request_mb * 2**20),
+        max_pixels=max_pixels,
+        max_request_pixels=max_request_pixels,
     )
 
 
@@ -195,7 +317,26 @@ def add_reward_server_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--token", default=None, help=f"bearer token (default ${TOKEN_ENV})")
-    p.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_MB)
+    p.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_MB,
+        help=f"largest request body in MB (default {DEFAULT_MAX_REQUEST_MB:g}); larger: 413",
+    )
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        default=DEFAULT_MAX_PIXELS,
+        help=f"most pixels per image, read from the PNG header before decoding (default "
+        f"{DEFAULT_MAX_PIXELS} = 4096x4096); larger: 413",
+    )
+    p.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_PIXELS,
+        help=f"most pixels per request, all images together (default {DEFAULT_MAX_REQUEST_PIXELS}"
+        " = 64 images of 1024x1024); larger: 413",
+    )
     p.add_argument(
         "--option",
         action="append",
@@ -223,6 +364,8 @@ def run_reward_server_cli(
         port=args.port,
         token=token,
         max_request_mb=args.max_request_mb,
+        max_pixels=args.max_pixels,
+        max_request_pixels=args.max_request_pixels,
         options=dict(args.option),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not token:
