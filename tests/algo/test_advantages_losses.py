@@ -84,6 +84,15 @@ def test_loss_gradient_at_ratio_one_is_minus_advantage_over_batch():
     assert metrics["ratio_mean"].item() == 1.0
 
 
+def test_loss_metrics_k1_and_k2_kl_estimators_by_hand():
+    """approx_kl = mean(-log r) (k1); approx_kl_k2 = 0.5 mean((log r)^2), flow_grpo's."""
+    old = torch.tensor([-1.0, -2.0, 0.5])
+    new = old + torch.tensor([0.1, -0.2, 0.0])
+    _, m = flow_grpo_loss(new, old, torch.ones(3), clip_range=0.5, adv_clip_max=5.0)
+    assert m["approx_kl"].item() == pytest.approx((-0.1 + 0.2 + 0.0) / 3, abs=1e-6)
+    assert m["approx_kl_k2"].item() == pytest.approx(0.5 * (0.01 + 0.04) / 3, abs=1e-6)
+
+
 def test_loss_gradient_is_zero_outside_the_clip_in_the_improving_direction():
     adv = torch.tensor([1.0, -1.0])
     old = torch.zeros(2)

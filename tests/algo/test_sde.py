@@ -110,6 +110,20 @@ def test_sigma_max_replaces_sigma_one_in_noise_scale():
     assert torch.allclose(out.std_dev_t, torch.full((2,), 0.5 * math.sqrt(1.0 / (1 - 0.9))))
     with pytest.raises(ValueError, match="sigma_max"):
         sde_step_with_logprob(v, x, 1.0, 0.9, noise_level=0.5)
+    # a one-step schedule has no second sigma: sigma_max is 1 too (was NaN log-probs)
+    with pytest.raises(ValueError, match="one-step schedule"):
+        sde_step_with_logprob(v, x, 1.0, 0.0, noise_level=0.5, sigma_max=1.0)
+
+
+def test_fp64_inputs_are_computed_in_fp64():
+    """fp64 stays fp64 (tests compare formulations without fp32 rounding); bf16 -> fp32."""
+    g = torch.Generator().manual_seed(5)
+    x, v = torch.randn(2, 8, generator=g).double(), torch.randn(2, 8, generator=g).double()
+    out = sde_step_with_logprob(v, x, 0.7, 0.5, noise_level=0.7, generator=g)
+    assert out.prev_sample.dtype == out.log_prob.dtype == out.prev_sample_mean.dtype
+    assert out.log_prob.dtype == torch.float64
+    replay = sde_step_with_logprob(v, x, 0.7, 0.5, noise_level=0.7, prev_sample=out.prev_sample)
+    assert torch.equal(replay.log_prob, out.log_prob)
 
 
 def test_fp32_inside_and_output_in_input_dtype():

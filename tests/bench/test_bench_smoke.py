@@ -18,16 +18,25 @@ ROLLOUT = {
     "overhead_s",
     "floor_plus_overhead_over_floor",
 }
-TRAINING = {"F_s", "FB_s", "B_s", "train_s", "train_over_floor"}
-CFG_TRAINING = {
+TRAINING = {
+    "FB_s",
+    "train_s",
+    "train_over_floor",
+    "F2_s",
+    "FB2_s",
     "cfg_train_s",
-    "cfg_batched_s",
     "cfg_train_over_floor",
-    "cfg_train_over_batched",
     "cfg_kl_train_s",
-    "cfg_kl_batched_s",
     "cfg_kl_train_over_floor",
-    "cfg_kl_train_over_batched",
+    "cfg_cond_only_s",
+    "cfg_cond_only_over_exact",
+}
+ZERO_ADVANTAGE = {
+    "all_kept_s",
+    "zero_dropped_s",
+    "kept_fraction",
+    "time_ratio",
+    "time_ratio_over_kept_fraction",
 }
 
 
@@ -41,7 +50,7 @@ def test_quick_benchmark_writes_every_field(tmp_path):
                 "--out",
                 str(out),
                 "--sections",
-                "rollout,batched_cfg,training,sharding,toy",
+                "rollout,batched_cfg,training,zero_advantage,sharding,toy",
             ]
         )
         == 0
@@ -53,10 +62,11 @@ def test_quick_benchmark_writes_every_field(tmp_path):
         assert {"batched_s", "separate_s", "batched_cfg_speedup"} <= set(
             results["batched_cfg"][kind]
         )
-        expected = TRAINING | (CFG_TRAINING if kind != "flux" else set())
-        assert expected <= set(results["training"][kind])
+        assert TRAINING <= set(results["training"][kind])
         for value in results["rollout"][kind].values():
             assert value > 0
+    assert ZERO_ADVANTAGE <= set(results["zero_advantage"]["sd3"])
+    assert results["zero_advantage"]["sd3"]["kept_fraction"] == 0.5
     assert "two_rank_per_sample_over_one_rank" in results["sharding"]["sd3"]
     toy = results["toy"]
     assert {"wall_s", "peak_rss_mb", "steps", "base_accuracy", "final_accuracy"} <= set(toy)

@@ -76,6 +76,12 @@ def test_wrong_type_names_key_type_and_value(override: str, expected: str) -> No
             "'sample.window_size' must be <= 2 (window_hi 9 - window_lo 7",
         ),
         (["sample.window_size=2", "sample.window_lo=-1"], "'sample.window_lo' must be >= 0"),
+        # one step from sigma = 1 has an infinite 'sde' noise scale (was NaN log-probs)
+        (
+            ["sample.num_steps=1", "sample.deterministic_last_step=false"],
+            "'sample.num_steps' must be >= 2 with sde_type 'sde', got 1",
+        ),
+        (["train.cfg_grad=uncond"], "'train.cfg_grad' must be one of 'both', 'cond_only'"),
     ],
 )
 def test_out_of_range_names_key_and_range(overrides: list[str], expected: str) -> None:

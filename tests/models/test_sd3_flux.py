@@ -321,9 +321,12 @@ def test_lora_targets_wrap_attention_and_mlps(kind, sd3_pipe, flux_pipe):
     wrapped = {n.removeprefix(prefix) for n, m in model.named_modules() if hasattr(m, "lora_A")}
     assert "transformer_blocks.0.attn.to_q" in wrapped
     assert "transformer_blocks.0.attn.to_add_out" in wrapped
-    if kind == "flux":
-        assert "single_transformer_blocks.0.proj_mlp" in wrapped
-        assert "single_transformer_blocks.0.proj_out" in wrapped
+    if kind == "flux":  # flow_grpo's targets: attention everywhere, the double blocks' MLPs
+        assert "single_transformer_blocks.0.attn.to_q" in wrapped
+        assert "transformer_blocks.0.ff.net.2" in wrapped
+        assert "transformer_blocks.0.ff_context.net.0.proj" in wrapped
+        assert "proj_out" not in wrapped  # the final output layer stays frozen
+        assert not any(n.startswith("single_transformer_blocks.0.proj") for n in wrapped)
     else:
         assert "transformer_blocks.0.attn2.to_q" in wrapped  # SD3.5 dual attention
         assert not any("ff." in n for n in wrapped)

@@ -34,17 +34,22 @@ class FluxAdapter(DiffusionAdapter):
     max_sequence_length: T5 tokens per prompt (the pipeline's default 512).
     """
 
+    #: flow_grpo's FLUX targets (scripts/train_flux.py): attention and the double blocks'
+    #: feed-forwards. The single blocks' ``proj_mlp``/``proj_out`` are not targeted; a bare
+    #: "proj_out" would also wrap the transformer's final output layer.
     lora_target_modules = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-        "proj_mlp",
-        "proj_out",
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
     )
 
     def __init__(self, pipe: Any, *, true_cfg_scale: float = 1.0, max_sequence_length: int = 512):
