@@ -3,8 +3,8 @@
 With the transformer in bf16 (what ``model.dtype=auto`` gives on CUDA; CPUs run bf16 tensors
 too), trajectories stay fp32: the recomputed log-prob at the rollout's weights must equal the
 rollout's exactly (|log r| = 0) with the rollout's batch split, for every family, guidance on,
-SDE and CPS. Before the fix, bf16-stored latents gave |log r| up to 2.9e-4 here, beyond the
-1e-4 clip range before any update. A different micro-batch split changes bf16 GEMM rounding:
+SDE and CPS. Before the fix (bf16-stored latents, the unconditional branch run apart), the
+same rollouts gave |log r| = 3.7e-4 - 7.2e-4, beyond the 1e-4 clip range before any update. A different micro-batch split changes bf16 GEMM rounding:
 that figure is measured and bounded (docs/algorithm.md states it). The same checks of the
 engine itself (FSDP2 mixed precision): tests/engine/test_engine_bf16.py.
 """
