@@ -10,8 +10,10 @@
     flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
 
 PRESET is a shipped preset name or a path to a YAML file. Heavy modules (torch, diffusers) are
-imported only by the command that runs, so ``--help`` is fast. Configuration and input errors
-print one line ``flowgrpo: error: ...`` and exit with code 2 (FLOWGRPO_TRACEBACK=1 re-raises).
+imported only by the command that runs, so ``--help`` is fast. Every error prints one line
+``flowgrpo: error: ...`` on stderr: configuration and input errors exit with code 2, failures
+while a run goes (a reward, divergence, the disk) with 1; ``run.debug=true`` or
+FLOWGRPO_TRACEBACK=1 prints the traceback too. In a multi-process run one rank reports.
 Multi-process: ``torchrun --nproc_per_node=N -m flowgrpo train ...``.
 """
 
@@ -82,14 +84,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     cfg = load_config(preset, overrides, command="train")
-    from flowgrpo.engine.dist import cleanup
     from flowgrpo.trainer.flow_grpo import run_training
 
+    return _in_process_group(cfg, lambda: run_training(cfg))
+
+
+def _in_process_group(cfg: Any, job: Any) -> int:
+    """Run ``job`` (which joins the process group); a failure is reported (one rank, one
+    line) BEFORE the group is torn down, so the other ranks, whose collectives then fail,
+    find it claimed and exit quietly instead of hanging or repeating it."""
+    from flowgrpo.engine.dist import cleanup
+
     try:
-        run_training(cfg)
+        job()
+        return 0
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line and an exit code
+        return report_error(e, debug=cfg.run.debug)
     finally:
         cleanup()  # tear the process group down (NCCL warns at exit otherwise)
-    return 0
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -124,10 +138,12 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     cfg = load_config(preset, overrides, command="sample")
     from flowgrpo.trainer.flow_grpo import run_sample
 
-    paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out)
-    if _is_main_rank():
-        print(f"wrote {len(paths)} image(s) to {args.out}")
-    return 0
+    def job() -> None:
+        paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out)
+        if _is_main_rank():
+            print(f"wrote {len(paths)} image(s) to {args.out}")
+
+    return _in_process_group(cfg, job)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -139,14 +155,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(preset, overrides, command="eval")
     from flowgrpo.trainer.flow_grpo import run_eval
 
-    metrics = run_eval(cfg, _checkpoint(args.checkpoint))
-    if _is_main_rank():
-        text = json.dumps(metrics, indent=2, sort_keys=True)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-    return 0
+    def job() -> None:
+        metrics = run_eval(cfg, _checkpoint(args.checkpoint))
+        if _is_main_rank():
+            text = json.dumps(metrics, indent=2, sort_keys=True)
+            print(text)
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(text + "\n")
+
+    return _in_process_group(cfg, job)
 
 
 def _cmd_export_lora(args: argparse.Namespace) -> int:
@@ -156,10 +174,12 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
     cfg = load_config(preset, overrides, command="export")
     from flowgrpo.trainer.flow_grpo import run_export_lora
 
-    path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full)
-    if _is_main_rank():
-        print(f"wrote {'the full transformer' if args.full else 'LoRA weights'} to {path}")
-    return 0
+    def job() -> None:
+        path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full)
+        if _is_main_rank():
+            print(f"wrote {'the full transformer' if args.full else 'LoRA weights'} to {path}")
+
+    return _in_process_group(cfg, job)
 
 
 def _cmd_unavailable(args: argparse.Namespace) -> int:
@@ -266,7 +286,8 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (2 for configuration and input errors)."""
+    """Run the CLI; returns the exit code (2: configuration and input errors, 1: failures while
+    running, 130: interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     try:
@@ -282,15 +303,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_code(e)
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
-        if os.environ.get("FLOWGRPO_TRACEBACK"):
-            raise
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"flowgrpo: error: {message}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("flowgrpo: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line and an exit code
+        return report_error(e, debug=bool(getattr(args, "debug", False)))
+
+
+def exit_code(e: BaseException) -> int:
+    """2 for configuration and input errors (ConfigError, bad values, missing files), 1 for
+    failures while a run goes (RunError: rewards, divergence, disk) and anything else."""
+    from flowgrpo.errors import RunError
+
+    if isinstance(e, RunError):
+        return 1
+    return 2 if isinstance(e, (FileNotFoundError, ValueError)) else 1
+
+
+def report_error(e: BaseException, *, debug: bool = False) -> int:
+    """Print ``flowgrpo: error: <one line>`` on stderr (the traceback first with ``run.debug``
+    or FLOWGRPO_TRACEBACK=1) and return the exit code. In a multi-process run only the rank
+    that failed first reports; the others, failing because it left, exit quietly."""
+    import traceback
+
+    from flowgrpo.engine.dist import claim_error_report
+
+    if claim_error_report():
+        if debug or os.environ.get("FLOWGRPO_TRACEBACK"):
+            traceback.print_exception(e, file=sys.stderr)
+        message = " ".join(str(e).split()) or type(e).__name__
+        if exit_code(e) == 1 and not _names_itself(e):
+            message = f"{type(e).__name__}: {message}"
+        print(f"flowgrpo: error: {message}", file=sys.stderr, flush=True)
+    return exit_code(e)
+
+
+def _names_itself(e: BaseException) -> bool:
+    from flowgrpo.errors import RunError
+
+    return isinstance(e, RunError) or getattr(e, "reward_name", None) is not None
 
 
 __all__ = ["build_parser", "main", "split_config_args"]

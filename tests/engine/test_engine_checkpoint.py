@@ -2,6 +2,7 @@
 
 import pytest
 import tinymodel as tm
+import torch
 
 from flowgrpo.engine import checkpoint as ckpt_mod
 from flowgrpo.engine import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -31,11 +32,14 @@ def test_interrupted_save_leaves_previous_loadable(dist1, tiny_traj, tmp_path, m
     assert first == tmp_path / "step_1" and (first / ckpt_mod.MARKER).is_file()
     engine.train_step(traj, adv)
 
+    class Killed(BaseException):  # a kill -9 mid-save: nothing gets to clean up
+        pass
+
     def boom(_):
-        raise OSError("disk full (simulated)")
+        raise Killed
 
     monkeypatch.setattr(ckpt_mod, "_write_marker", boom)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(Killed):
         save_checkpoint(engine, tmp_path, 2)
     monkeypatch.undo()
     assert (tmp_path / "step_2.tmp").is_dir()  # the half-written save is there ...
@@ -148,3 +152,48 @@ def test_rng_file_of_older_checkpoints_still_loads(dist1, tmp_path):
     torch.save(old, ckpt / "rng" / "rank_0.pt")
     load_checkpoint(engine, ckpt)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+
+
+def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(dist1, tiny_traj, tmp_path):
+    """ENOSPC injected into the checkpoint writer (torch.save of the RNG state): one-line
+    RunError naming the folder and the cause, the partial .tmp removed, the previous
+    checkpoint complete and loadable."""
+    import errno
+    from unittest import mock
+
+    from flowgrpo.engine import DiffusersFSDPEngine
+    from flowgrpo.errors import RunError
+
+    traj, adv = tiny_traj.select([0, 1]), tm.ADVANTAGES[:2]
+    cfg = tm.make_config("clip", micro_batch_size=2)
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    engine.train_step(traj, adv)
+    first = save_checkpoint(engine, tmp_path, 1, extra={"epoch": 1})
+    engine.train_step(traj, adv)
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):
+        if "rng" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *a, **k)
+
+    with mock.patch.object(ckpt_mod.torch, "save", full), pytest.raises(RunError) as err:
+        save_checkpoint(engine, tmp_path, 2)
+    msg = str(err.value)
+    assert "\n" not in msg and "No space left on device" in msg and "step_2.tmp" in msg
+    assert not (tmp_path / "step_2.tmp").exists() and not (tmp_path / "step_2").exists()
+    assert latest_checkpoint(tmp_path) == first
+    assert load_checkpoint(DiffusersFSDPEngine(tm.TinyAdapter(), cfg), tmp_path)[0] == 1
+
+
+def test_pruning_never_touches_another_runs_checkpoints(dist1, tiny_traj, tmp_path):
+    from flowgrpo.engine import DiffusersFSDPEngine
+
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("clip", micro_batch_size=2))
+    for step in (3, 4):
+        save_checkpoint(engine, tmp_path, step, keep_last=1, run_id="old")
+    for step in (1, 2):
+        save_checkpoint(engine, tmp_path, step, keep_last=1, run_id="new")
+    left = sorted(d.name for d in tmp_path.iterdir())
+    assert left == ["step_2", "step_4"]  # each run kept its own newest one
+    assert ckpt_mod.run_id_of(tmp_path / "step_2") == "new"

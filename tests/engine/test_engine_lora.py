@@ -7,6 +7,7 @@ import torch
 from flowgrpo.engine import EMA, DiffusersFSDPEngine
 from flowgrpo.engine.ema import local
 from flowgrpo.engine.fsdp import LRLambda
+from flowgrpo.errors import TrainingDiverged
 
 
 def _velocity(adapter, transformer, traj, step=0):
@@ -111,8 +112,51 @@ def test_non_finite_loss_skips_and_then_raises(dist1, tiny_traj):
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in engine.params)
     assert not engine.optimizer.state  # AdamW never stepped
-    with pytest.raises(RuntimeError, match="consecutive"):
+    with pytest.raises(TrainingDiverged, match="2 consecutive non-finite updates"):
         engine.train_step(traj, torch.tensor([1.0, float("inf")]) * 0 + float("nan"))
+
+
+def test_update_that_would_overflow_is_never_applied(dist1, tiny_traj, tmp_path):
+    """Finite loss and gradients, but lr 1e39 overflows fp32 in AdamW's update (torch's own
+    step would fail with "value cannot be converted to type float without overflow"): the
+    step is skipped before it touches anything, and after max_consecutive_skips the run stops
+    with one line naming the cause."""
+    cfg = tm.make_config("lora", max_consecutive_skips=2)
+    cfg.optim.lr, cfg.optim.lr_schedule = 1e39, "constant"
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    before = tm.trainable(engine)
+    metrics = engine.train_step(tiny_traj, tm.ADVANTAGES)
+    assert metrics["skipped"] == 1.0 and torch.isfinite(torch.tensor(metrics["loss"]))
+    after = tm.trainable(engine)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not engine.optimizer.state and engine.optimizer_steps == 0
+    with pytest.raises(TrainingDiverged, match=r"lower optim.lr \(now 1e\+39\)"):
+        engine.train_step(tiny_traj, tm.ADVANTAGES)
+
+
+def test_update_check_sees_moment_overflow_and_checkpoints_refuse_non_finite(
+    dist1, tiny_traj, tmp_path
+):
+    """A finite but huge gradient (max_grad_norm off) overflows AdamW's second moment: the
+    dry run says no, while a blind step would store inf in the optimizer state. Weights that
+    are not finite are never checkpointed."""
+    from flowgrpo.engine import save_checkpoint
+
+    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora"))
+    for k in range(tiny_traj.num_train_steps):
+        engine._loss(tiny_traj, tm.ADVANTAGES, k)[0].backward()
+    assert engine._update_is_finite()
+    local(engine.params[0].grad).fill_(1e21)  # finite; (1 - beta2) times its square is not
+    assert not engine._update_is_finite()
+    engine.optimizer.step()  # what the check prevents
+    state = engine.optimizer.state[engine.params[0]]
+    assert not bool(torch.isfinite(local(state["exp_avg_sq"])).all())
+    with torch.no_grad():
+        local(engine.params[1]).fill_(float("nan"))
+    assert not engine.weights_are_finite()
+    with pytest.raises(TrainingDiverged, match="non-finite weights"):
+        save_checkpoint(engine, tmp_path / "ckpt", 1)
+    assert not (tmp_path / "ckpt" / "step_1").exists()
 
 
 def test_config_errors_name_the_field(dist1):

@@ -57,8 +57,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def small_cfg(out: Path, *extra: str):
-    return load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra])
+def small_cfg(out: Path, *extra: str, command: str = "train"):
+    return load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra], command=command)
 
 
 def train(out: Path, *extra: str) -> dict:
@@ -268,7 +268,7 @@ def test_lora_run_exports_a_diffusers_loadable_lora(tmp_path):
     lora = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optim.lr=3e-2", "loss.kl_beta=0"]
     out = tmp_path / "lora"
     train(out, "trainer.max_steps=1", *lora)
-    cfg = small_cfg(out, *lora)
+    cfg = small_cfg(out, *lora, command="export")
     file = run_export_lora(cfg, out, tmp_path / "export")
     assert file.name == "pytorch_lora_weights.safetensors" and file.is_file()
     # load it as diffusers' SD3 pipelines do (the file's adapter metadata carries lora_alpha)
@@ -323,7 +323,7 @@ def test_gpu_preset_features_on_the_toy(tmp_path):
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["train/optimizer_steps"] for r in rows] == [2.0, 2.0]
     assert all(r["train/skipped"] == 0 for r in rows)
-    assert run_eval(small_cfg(out, *feats), out) == summary["final"]
+    assert run_eval(small_cfg(out, *feats, command="eval"), out) == summary["final"]
     with pytest.warns(UserWarning, match="EMA is off"):
-        live = run_eval(small_cfg(out, *feats, "ema.enabled=false"), out)
+        live = run_eval(small_cfg(out, *feats, "ema.enabled=false", command="eval"), out)
     assert live["eval/reward_mean"] != summary["final"]["eval/reward_mean"]

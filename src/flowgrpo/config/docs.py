@@ -107,8 +107,9 @@ KEY_HELP: dict[str, str] = {
     "ema.decay": "EMA decay (warm-up min((1+s)/(10+s), decay)).",
     "ema.update_every": "Update the EMA every this many optimizer steps.",
     "trainer.max_steps": "Training steps (one rollout + update each).",
-    "trainer.eval_every": "Evaluate every N steps (and at step 0 and the last step).",
-    "trainer.save_every": "Checkpoint every N steps (and at the last step).",
+    "trainer.eval_every": "Evaluate every N steps (and at step 0 and the last step; 0 = only "
+    "those).",
+    "trainer.save_every": "Checkpoint every N steps (and at the last step; 0 = only the last).",
     "trainer.keep_last": "Checkpoints kept on disk.",
     "trainer.resume": "`auto` = newest complete checkpoint in `run.output_dir`, a path = that "
     "checkpoint, null = fresh run. Also settable as `resume=...`.",
@@ -122,6 +123,9 @@ KEY_HELP: dict[str, str] = {
     "run.progress_bar": "Show a progress bar with step, reward and ETA.",
     "run.num_threads": "CPU threads per process for torch (0 = torch's default). Tiny models "
     "run faster on 1 thread than on 2: thread start-up costs more than the work.",
+    "run.overwrite": "Start a fresh run in a folder that holds another run's checkpoints or "
+    "metrics, deleting those outputs first (without it, such a folder is refused).",
+    "run.debug": "Print the full traceback with an error (also FLOWGRPO_TRACEBACK=1).",
 }
 
 

@@ -140,7 +140,9 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    """Where and how to log. ``{preset}`` in ``output_dir`` becomes the preset's name."""
+    """Where and how to log. ``{preset}`` in ``output_dir`` becomes the preset's name.
+    ``overwrite`` lets a fresh run reuse a folder that holds another run (deleting that
+    run's outputs); ``debug`` prints tracebacks with errors."""
 
     output_dir: str = "runs/{preset}"
     name: str | None = None
@@ -150,6 +152,8 @@ class RunConfig:
     wandb_mode: str = "offline"
     progress_bar: bool = True
     num_threads: int = 0
+    overwrite: bool = False
+    debug: bool = False
 
 
 def _default_rewards() -> list[RewardConfig]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,27 @@ from flowgrpo.config.schema import (
 )
 
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+#: everything a training run writes into run.output_dir (``run.overwrite`` deletes only these)
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "eval.jsonl",
+    "checkpoints",
+    "tensorboard",
+    "wandb",
+    "grid_before.png",
+    "grid_after.png",
+    "reward_curve.png",
+)
+
+
+def holds_run(folder: str | Path) -> bool:
+    """True when ``folder`` holds an earlier run's checkpoints or metrics."""
+    root = Path(folder).expanduser()
+    ckpts = root / "checkpoints"
+    has_ckpt = ckpts.is_dir() and any(d.name.startswith("step_") for d in ckpts.iterdir())
+    return has_ckpt or (root / "metrics.jsonl").is_file()
+
+
 PATH_REWARDS = ("pickscore", "clip_score")  # CLIP-family rewards that need options.path
 
 
@@ -80,7 +102,26 @@ def _check_sample(cfg: Config) -> None:
     _need(s.rollout_batch_size >= 1, "sample.rollout_batch_size", ">= 1", s.rollout_batch_size)
 
 
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float setting (in sections, lists and tuples) is a finite number: inf or nan in
+    e.g. optim.lr would only surface steps later as non-finite weights."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            if f.name != "reward":  # reward weights are checked with their labels below
+                value = getattr(obj, f.name)
+                dot = "." if dataclasses.is_dataclass(value) else ""
+                _check_finite(value, f"{prefix}{f.name}{dot}")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{prefix}[{i}]")
+        return
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise ConfigError(f"config key {prefix!r} must be a finite number, got {obj!r}")
+
+
 def _check_sections(cfg: Config) -> None:
+    _check_finite(cfg)
     _need(
         cfg.run.num_threads >= 0,
         "run.num_threads",
@@ -151,8 +192,8 @@ def _check_sections(cfg: Config) -> None:
     _need(e.update_every >= 1, "ema.update_every", ">= 1", e.update_every)
     tr = cfg.trainer
     _need(tr.max_steps >= 1, "trainer.max_steps", ">= 1", tr.max_steps)
-    _need(tr.eval_every >= 1, "trainer.eval_every", ">= 1", tr.eval_every)
-    _need(tr.save_every >= 1, "trainer.save_every", ">= 1", tr.save_every)
+    _need(tr.eval_every >= 0, "trainer.eval_every", ">= 0 (0 = the last step only)", tr.eval_every)
+    _need(tr.save_every >= 0, "trainer.save_every", ">= 0 (0 = the last step only)", tr.save_every)
     _need(tr.keep_last >= 1, "trainer.keep_last", ">= 1", tr.keep_last)
     _need(tr.log_every >= 1, "trainer.log_every", ">= 1", tr.log_every)
     _one_of("run.wandb_mode", cfg.run.wandb_mode, WANDB_MODES)
@@ -214,6 +255,19 @@ def _check_paths(cfg: Config, command: str) -> None:
     res = cfg.trainer.resume
     if command == "train" and res not in (None, "", "auto") and not Path(res).expanduser().exists():
         raise ConfigError(f"config key 'trainer.resume': checkpoint {res} does not exist")
+    if command == "train":
+        out, resuming = cfg.run.output_dir, res not in (None, "")
+        if resuming and cfg.run.overwrite:
+            raise ConfigError(
+                "run.overwrite=true deletes the run that trainer.resume would continue: "
+                "set only one of them"
+            )
+        if not resuming and not cfg.run.overwrite and holds_run(out):
+            raise ConfigError(
+                f"run.output_dir {out} already holds a run (checkpoints or metrics.jsonl): "
+                "continue it with trainer.resume=auto, or start over with run.overwrite=true "
+                "(deletes that run's outputs, nothing else)"
+            )
 
 
 def validate(cfg: Config, *, check_paths: bool = True, command: str = "train") -> Config:
@@ -231,4 +285,11 @@ def validate(cfg: Config, *, check_paths: bool = True, command: str = "train") -
     return cfg
 
 
-__all__ = ["COMMANDS", "PROMPT_SUFFIXES", "stochastic_steps", "validate"]
+__all__ = [
+    "COMMANDS",
+    "PROMPT_SUFFIXES",
+    "RUN_OUTPUTS",
+    "holds_run",
+    "stochastic_steps",
+    "validate",
+]

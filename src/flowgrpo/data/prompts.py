@@ -27,16 +27,20 @@ _SALT_SPLIT = 0x5A117  # stream of the train/eval split
 
 @dataclass
 class PromptDataset:
-    """Prompts with one metadata dict each; ``source`` names where they came from."""
+    """Prompts with one metadata dict each; ``source`` names where they came from and
+    ``locations`` where each row did ("file:line"), for errors that name the culprit."""
 
     prompts: list[str]
     metadata: list[dict[str, Any]] = field(default_factory=list)
     source: str = "<memory>"
+    locations: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.metadata:
             self.metadata = [{} for _ in self.prompts]
-        if len(self.metadata) != len(self.prompts):
+        if not self.locations:
+            self.locations = [f"{self.source} prompt {i + 1}" for i in range(len(self.prompts))]
+        if not len(self.metadata) == len(self.locations) == len(self.prompts):
             raise ValueError(
                 f"{self.source}: {len(self.prompts)} prompts but {len(self.metadata)} metadata"
             )
@@ -53,7 +57,7 @@ class PromptDataset:
 
     def subset(self, indices: Sequence[int]) -> PromptDataset:
         p, m = self.select(indices)
-        return PromptDataset(p, m, self.source)
+        return PromptDataset(p, m, self.source, [self.locations[i] for i in indices])
 
 
 def digit_prompts() -> PromptDataset:
@@ -80,9 +84,10 @@ def read_text(path: str | Path) -> str:
 
 def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptDataset:
     """rows: (line or row number, record) -> dataset; errors name ``path`` and the number."""
-    prompts, meta = [], []
+    prompts, meta, where_all = [], [], []
     for n, row in rows:
         where = f"{path}:{n}" if unit == "line" else f"{path} row {n}"
+        where_all.append(where)
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected a JSON object with a 'prompt' field")
         if "prompt" not in row:
@@ -92,7 +97,7 @@ def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptD
             raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
         prompts.append(prompt)
         meta.append({k: v for k, v in row.items() if k != "prompt"})
-    return PromptDataset(prompts, meta, str(path))
+    return PromptDataset(prompts, meta, str(path), where_all)
 
 
 def _load_jsonl(path: Path) -> PromptDataset:
@@ -128,8 +133,10 @@ def load_prompts(path: str | Path) -> PromptDataset:
         raise FileNotFoundError(f"prompt file not found: {path}")
     suffix = p.suffix.lower()
     if suffix == ".txt":
-        lines = read_text(p).splitlines()
-        ds = PromptDataset([s.strip() for s in lines if s.strip()], source=str(p))
+        lines = [(n, s.strip()) for n, s in enumerate(read_text(p).splitlines(), 1) if s.strip()]
+        ds = PromptDataset(
+            [s for _, s in lines], source=str(p), locations=[f"{p}:{n}" for n, _ in lines]
+        )
     elif suffix == ".jsonl":
         ds = _load_jsonl(p)
     elif suffix == ".parquet":

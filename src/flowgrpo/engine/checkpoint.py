@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.ema import EMA
 from flowgrpo.engine.fsdp import LRLambda
+from flowgrpo.errors import RunError, TrainingDiverged
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -197,7 +198,7 @@ def _check_dcp_metadata(path: Path) -> None:
         raise _refuse(str(file), f"{why}, not only DCP's own metadata") from None
 
 
-def _write_files(engine, tmp: Path, step: int, extra: dict | None) -> None:
+def _write_files(engine, tmp: Path, step: int, extra: dict | None, run_id: str | None) -> None:
     """Everything but the DCP shards: per-rank RNG, and (rank 0) engine/trainer state."""
     rank = engine.dist.rank
     (tmp / "rng").mkdir(exist_ok=True)
@@ -220,6 +221,7 @@ def _write_files(engine, tmp: Path, step: int, extra: dict | None) -> None:
         "world_size": engine.dist.world_size,
         "lora": engine.use_lora,
         "ema": engine.ema is not None,
+        "run_id": run_id,
         "time": time.time(),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -235,32 +237,64 @@ def save_checkpoint(
     step: int,
     extra: dict | None = None,
     keep_last: int | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Save to ``<root>/step_<step>`` (collective). Writes ``step_<step>.tmp``, marks it
     COMPLETE once every rank has written, then renames it; keeps the newest ``keep_last``
-    complete checkpoints (None/0 = all) and removes stale ``.tmp`` directories."""
+    complete checkpoints of the same ``run_id`` (None/0 = all; another run's checkpoints are
+    never pruned) and removes stale ``.tmp`` directories.
+
+    Refuses (``TrainingDiverged``) to write non-finite weights. A write that fails (e.g. a
+    full disk) removes its ``.tmp`` and raises ``RunError`` in one line; the previous
+    checkpoint stays complete and loadable."""
     root = Path(root)
     try:
         json.dumps(extra or {})
     except TypeError as err:
         raise TypeError(f"save_checkpoint extra must be JSON-serialisable: {err}") from None
+    if not engine.weights_are_finite():
+        raise TrainingDiverged(
+            f"training diverged: refusing to save non-finite weights at step {step} in {root} "
+            "(the last good checkpoint is kept); lower optim.lr"
+        )
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    try:
+        if engine.dist.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        fdist.barrier()
+        dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
+        _write_files(engine, tmp, step, extra, run_id)
+        fdist.barrier()
+        if engine.dist.is_main:
+            _write_marker(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+    except (OSError, CheckpointException) as e:
+        if engine.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(
+            f"cannot write checkpoint {tmp}: {_first_os_error(e)}; the previous checkpoint "
+            "is kept (resume with trainer.resume=auto)"
+        ) from e
     if engine.dist.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    fdist.barrier()
-    dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
-    _write_files(engine, tmp, step, extra)
-    fdist.barrier()
-    if engine.dist.is_main:
-        _write_marker(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _prune(root, keep_last)
+        _prune(root, keep_last, run_id)
     fdist.barrier()
     return final
+
+
+def _first_os_error(e: BaseException) -> str:
+    """The OSError inside DCP's multi-rank report (or ``e`` itself), as one line."""
+    if isinstance(e, CheckpointException):
+        for err, _ in e.failures.values():
+            if isinstance(err, BaseException):
+                return _first_os_error(err)
+    cause = e
+    while cause.__cause__ is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__
+    return " ".join(str(cause).split()) or type(cause).__name__
 
 
 def _complete_steps(root: Path) -> list[tuple[int, Path]]:
@@ -274,11 +308,22 @@ def _complete_steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def _prune(root: Path, keep_last: int | None) -> None:
+def run_id_of(checkpoint: Path) -> str | None:
+    """The ``run_id`` a checkpoint was written with (None: unknown or unreadable)."""
+    try:
+        return json.loads((Path(checkpoint) / "meta.json").read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def _prune(root: Path, keep_last: int | None, run_id: str | None) -> None:
+    """Remove stale ``.tmp`` dirs and all but the newest ``keep_last`` complete checkpoints
+    written by run ``run_id``; other runs' checkpoints are left alone."""
     for d in root.glob("step_*.tmp"):
         shutil.rmtree(d, ignore_errors=True)
     if keep_last:
-        for _, d in _complete_steps(root)[:-keep_last]:
+        mine = [d for _, d in _complete_steps(root) if run_id_of(d) == run_id]
+        for d in mine[:-keep_last]:
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -152,6 +152,29 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise minimum over ranks (returns a new tensor; ``t`` untouched)."""
+    t = t.clone()
+    if get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
+def claim_error_report() -> bool:
+    """True for the one rank that reports a failure: the first to claim it in the process
+    group's store (the rank that failed first; the others fail later, when their collectives
+    lose it). A single process always reports; a rank that cannot reach the store does not."""
+    if get_world_size() == 1:
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        me = str(get_rank())
+        return store.compare_set("flowgrpo/error_reporter", "", me).decode() == me
+    except Exception:  # noqa: BLE001 - the store went down with the failing rank
+        return False
+
+
 def cleanup() -> None:
     """Destroy the default process group if there is one."""
     if dist.is_initialized():
@@ -164,6 +187,8 @@ __all__ = [
     "all_gather_object",
     "all_gather_tensor",
     "all_reduce_mean",
+    "all_reduce_min",
+    "claim_error_report",
     "barrier",
     "build_mesh",
     "cleanup",

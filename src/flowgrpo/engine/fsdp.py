@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.config import EngineConfig
-from flowgrpo.engine.ema import EMA
+from flowgrpo.engine.ema import EMA, local
+from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
 from flowgrpo.rollout.sampler import Trajectory, trajectory_log_prob
 
@@ -342,7 +343,9 @@ class DiffusersFSDPEngine:
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        skipped = not (loss_finite and math.isfinite(grad_norm))
+        # a non-finite loss or gradient, or an update that would make a weight non-finite, is
+        # never applied: weights, optimizer state, LR schedule and EMA stay as they were
+        skipped = not (loss_finite and math.isfinite(grad_norm) and self._update_is_finite())
         if skipped:
             self.consecutive_skips += 1
         else:
@@ -353,13 +356,53 @@ class DiffusersFSDPEngine:
             self.ema_update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.consecutive_skips >= cfg.max_consecutive_skips:
-            raise RuntimeError(
-                f"{self.consecutive_skips} consecutive optimizer steps skipped for a non-finite "
-                f"loss or grad norm (max_consecutive_skips={cfg.max_consecutive_skips})"
+            raise TrainingDiverged(
+                f"training diverged: {self.consecutive_skips} consecutive non-finite updates "
+                f"(loss, gradient or weights); lower optim.lr (now {lr:g})"
             )
         out = {k: float(v) for k, v in zip(METRIC_KEYS, stats, strict=True)}
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return out
+
+    @torch.no_grad()
+    def _update_is_finite(self) -> bool:
+        """Would this AdamW step keep every trainable weight and moment finite?
+
+        AdamW's update, computed in fp64 on this rank's shards one parameter at a time (extra
+        memory: a few copies of the largest shard) without touching the optimizer, must fit
+        each tensor's dtype; agreed over ranks. With finite, clipped gradients only an
+        overflow fails it (an lr near fp32's max, a huge unclipped gradient squared).
+        """
+        group = self.optimizer.param_groups[0]
+        lr, (b1, b2) = group["lr"], group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        ok = torch.ones((), dtype=torch.bool, device=self.dist.device)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g, x = local(p.grad).double(), local(p).double()
+            state = self.optimizer.state.get(p) or {}
+            if "step" in state:
+                step = float(state["step"]) + 1
+                m = local(state["exp_avg"]).double() * b1 + g * (1 - b1)
+                v = local(state["exp_avg_sq"]).double() * b2 + g * g * (1 - b2)
+            else:
+                step, m, v = 1.0, g * (1 - b1), g * g * (1 - b2)
+            denom = v.sqrt() / math.sqrt(1 - b2**step) + eps
+            new = x * (1 - lr * wd) - (lr / (1 - b1**step)) * m / denom
+            top = torch.finfo(p.dtype).max
+            ok &= (new.abs() <= top).all() & (v <= top).all() & (m.abs() <= top).all()
+        return bool(fdist.all_reduce_min(ok.to(torch.float32)).item() > 0)
+
+    @torch.no_grad()
+    def weights_are_finite(self) -> bool:
+        """True when every trainable weight (and EMA shadow) is finite on every rank
+        (collective). Checkpoints are never written otherwise."""
+        ok = torch.ones((), dtype=torch.bool, device=self.dist.device)
+        tensors = list(self.params) + (list(self.ema.shadow) if self.ema is not None else [])
+        for t in tensors:
+            ok &= torch.isfinite(local(t)).all()
+        return bool(fdist.all_reduce_min(ok.to(torch.float32)).item() > 0)
 
     def _loss(self, sub: Trajectory, adv: torch.Tensor, k: int) -> list[torch.Tensor]:
         """[loss, policy_loss, kl, approx_kl, approx_kl_k2, clipfrac, ratio_mean] for trained

@@ -109,6 +109,8 @@ def target_digits(prompts: Sequence[str], metadata: Sequence[dict] | None = None
             digit = parse_digit(prompt)
             if digit is None:
                 raise ValueError(f"prompt {prompt!r} names no digit for the digits reward")
+        if isinstance(digit, bool) or not isinstance(digit, (int, str)) or not str(digit).isdigit():
+            raise ValueError(f"metadata 'digit' must be an integer 0-9, got {digit!r}")
         digit = int(digit)
         if not 0 <= digit <= 9:
             raise ValueError(f"digit {digit} of prompt {prompt!r} is not in 0-9")

@@ -19,6 +19,7 @@ import torch
 
 from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.engine import dist as D
+from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup as S
@@ -92,35 +93,78 @@ def rollout(
             timestep_fraction=1.0 if eval else s.timestep_fraction,
             deterministic_last_step=s.deterministic_last_step,
         )
+        if not bool(torch.isfinite(traj.final_latents).all()):
+            what = "eval rollout" if eval else f"rollout of step {step}"
+            raise TrainingDiverged(
+                f"training diverged: the {what} produced non-finite latents (the weights give "
+                "NaN/inf); the last good checkpoint is kept; lower optim.lr"
+            )
         if on_chunk is not None:
             on_chunk(traj, rows)
         parts.append(traj)
     return Trajectory.cat(parts)
 
 
-def score(run: Run, prompts: list[str], metadata: list[dict], indices: list[int], step: int):
+def score(
+    run: Run,
+    prompts: list[str],
+    metadata: list[dict],
+    indices: list[int],
+    step: int,
+    locations: list[str],
+):
     """Rollout + rewards of this rank's samples -> (trajectory, {name: [n]}, reward seconds).
-    With ``advantage.async_reward`` chunks are scored in a thread while the next one samples."""
-    if not run.cfg.advantage.async_reward:
-        with run.ema(run.cfg.sample.use_ema_for_rollout):
+    With ``advantage.async_reward`` chunks are scored in a thread while the next one samples.
+    A failing reward is a RunError naming the reward and, when only some samples fail, the
+    first failing sample's prompt-file line (``locations``)."""
+    with run.ema(run.cfg.sample.use_ema_for_rollout):
+        if not run.cfg.advantage.async_reward:
             traj = rollout(run, prompts, indices, step)
-        t = time.perf_counter()
-        return traj, run.reward(traj.images, prompts, metadata), time.perf_counter() - t
-    futures = []
-    with AsyncRewardScorer(run.reward) as scorer, run.ema(run.cfg.sample.use_ema_for_rollout):
-        traj = rollout(
-            run,
-            prompts,
-            indices,
-            step,
-            on_chunk=lambda tr, rows: futures.append(
-                scorer.submit(tr.images, prompts[rows], metadata[rows])
-            ),
-        )
-        t = time.perf_counter()
-        parts = [f.result() for f in futures]
+            t = time.perf_counter()
+            with reward_failures(run, traj.images, prompts, metadata, locations, step):
+                rewards = run.reward(traj.images, prompts, metadata)
+            return traj, rewards, time.perf_counter() - t
+        futures = []
+        with AsyncRewardScorer(run.reward) as scorer:
+            traj = rollout(
+                run,
+                prompts,
+                indices,
+                step,
+                on_chunk=lambda tr, rows: futures.append(
+                    scorer.submit(tr.images, prompts[rows], metadata[rows])
+                ),
+            )
+            t = time.perf_counter()
+            with reward_failures(run, traj.images, prompts, metadata, locations, step):
+                parts = [f.result() for f in futures]
     rewards = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return traj, rewards, time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def reward_failures(run: Run, images, prompts, metadata, locations, step: int):
+    """Turn a reward's failure into one RunError line. When the reward fails on some samples
+    but not on others, the culprit is the data: scoring samples one at a time (at most 16)
+    finds the first that fails, and its prompt-file line is named."""
+    try:
+        yield
+    except RuntimeError as e:
+        name = getattr(e, "reward_name", None) or getattr(e.__cause__, "reward_name", None)
+        if name is None:
+            raise
+        failed, passed = None, False
+        for i in range(min(len(prompts), 16)):
+            try:
+                run.reward(images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1])
+                passed = True
+            except Exception:  # noqa: BLE001 - looking for the sample that fails
+                failed = i if failed is None else failed
+            if passed and failed is not None:
+                break
+        where = f" on {locations[failed]}" if passed and failed is not None else ""
+        message = " ".join(str(e).split())
+        raise RunError(f"{message}{where} (step {step})") from e
 
 
 def gather_rewards(rewards: dict[str, torch.Tensor], device: torch.device):
@@ -136,7 +180,8 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     start, count = S.shard(len(indices), dist)
     mine = list(range(start, start + count))  # this rank's global sample numbers
     prompts, metadata = run.train_data.select(indices[start : start + count])
-    traj, local, reward_s = score(run, prompts, metadata, mine, step)
+    locations = [run.train_data.locations[i] for i in indices[start : start + count]]
+    traj, local, reward_s = score(run, prompts, metadata, mine, step, locations)
     t2 = time.perf_counter()
     rewards = gather_rewards(local, dist.device)
     group_ids = torch.tensor(groups)
@@ -173,7 +218,9 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
     prompts, metadata = ev.select(idx)
     with run.ema():
         images = rollout(run, prompts, idx, S.EVAL_SALT, eval=True).images[:real]
-    local = run.reward(images, prompts[:real], metadata[:real])
+    where = [ev.locations[i] for i in idx[:real]]
+    with reward_failures(run, images, prompts[:real], metadata[:real], where, -1):
+        local = run.reward(images, prompts[:real], metadata[:real])
     rewards = gather_rewards(local, run.dist.device)
     total = sum(run.reward.weights.get(k, 0.0) * v for k, v in rewards.items())
     out = {"eval/reward_mean": float(total.mean())}
@@ -196,17 +243,21 @@ def run_training(cfg: Any) -> dict[str, Any]:
     wall0 = time.perf_counter()
     dist = D.init_distributed()
     D.seed_everything(cfg.seed, dist.rank)
+    tr = cfg.trainer
+    out = S.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
     run = Run(cfg, dist)
-    out = S.output_dir(cfg)
-    ckpt_root, tr = out / "checkpoints", cfg.trainer
-    from flowgrpo.engine.checkpoint import load_checkpoint, save_checkpoint
+    ckpt_root = out / "checkpoints"
+    from flowgrpo.engine.checkpoint import load_checkpoint, run_id_of, save_checkpoint
 
     state: dict[str, Any] = {"step": 0, "samples": 0, "base_eval": None}
     resume_from = S.resolve_resume(tr.resume, ckpt_root)
     if resume_from is not None:
         _, extra = load_checkpoint(run.engine, resume_from)
         state.update(extra or {})
+        state.setdefault("run_id", run_id_of(resume_from))  # checkpoints from before run ids
         run.sampler.load_state_dict(state["sampler"])
+    else:
+        state["run_id"] = S.new_run_id()
     global_batch = S.global_batch_size(cfg)
     logger = RunLogger(
         out,
@@ -243,7 +294,14 @@ def run_training(cfg: Any) -> dict[str, Any]:
             logger.log_images("eval/images", grid, step, nrow=run.grid_cols)
         logger.log_step(row)
         if _due(step, tr.save_every, tr.max_steps):
-            save_checkpoint(run.engine, ckpt_root, step, extra=dict(state), keep_last=tr.keep_last)
+            save_checkpoint(
+                run.engine,
+                ckpt_root,
+                step,
+                extra=dict(state),
+                keep_last=tr.keep_last,
+                run_id=state["run_id"],
+            )
     if final_eval is None:  # resumed at the end already: evaluate the final weights again
         final_eval, grid = evaluate(run)
     summary: dict[str, Any] = {
@@ -263,7 +321,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
 
 
 def _due(step: int, every: int, last: int) -> bool:
-    """Eval / save at every ``every``-th step (0 = never) and at the last step."""
+    """Eval / save at every ``every``-th step and at the last step (``every`` 0: the last
+    step only)."""
     return step == last or (every > 0 and step % every == 0)
 
 

@@ -171,6 +171,49 @@ def output_dir(cfg: Any) -> Path:
     return Path(cfg.run.output_dir)
 
 
+def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
+    """``run.output_dir``, created and checked writable (RunError naming it otherwise). A
+    fresh run with ``run.overwrite`` first deletes what an earlier run wrote there (the names
+    in ``RUN_OUTPUTS``, nothing else). Collective."""
+    import shutil
+
+    from flowgrpo.config.validate import RUN_OUTPUTS
+    from flowgrpo.engine.dist import barrier
+    from flowgrpo.errors import RunError
+
+    out = output_dir(cfg)
+    if dist.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if fresh and cfg.run.overwrite:
+                for name in RUN_OUTPUTS:
+                    target = out / name
+                    if target.is_dir():
+                        shutil.rmtree(target)
+                    elif target.exists():
+                        target.unlink()
+            probe = out / ".flowgrpo-write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise RunError(
+                f"cannot write to run.output_dir {out}: {e.strerror or e}; choose a writable "
+                "folder (run.output_dir=...)"
+            ) from None
+    barrier()
+    return out
+
+
+def new_run_id() -> str:
+    """A random id shared by every rank: checkpoints carry it so that pruning only ever
+    removes this run's own checkpoints. Collective."""
+    import uuid
+
+    from flowgrpo.engine.dist import all_gather_object
+
+    return all_gather_object(uuid.uuid4().hex)[0]
+
+
 def toy_eval_metrics(
     images: torch.Tensor, prompts: list[str], metadata: list[dict]
 ) -> dict[str, float]:
