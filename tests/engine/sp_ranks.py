@@ -74,9 +74,9 @@ def add_lora(model, adapter, targets=None) -> None:
         p.requires_grad_("lora_" in name)
 
 
-def shard(model, pm) -> None:
+def shard(model, pm, scale: bool = True) -> None:
     """The engine's layout: fully_shard per block, then the root (fp32 output), on pm.fsdp;
-    then the SP gradient scale."""
+    then the SP gradient scale (``scale=False``: FSDP's default mean over all ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from flowgrpo.engine.fsdp import transformer_blocks
@@ -85,7 +85,8 @@ def shard(model, pm) -> None:
     for block in transformer_blocks(model):
         fully_shard(block, mesh=pm.fsdp)
     fully_shard(model, mesh=pm.fsdp, mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32))
-    set_sp_gradient_scale(model, pm)
+    if scale:
+        set_sp_gradient_scale(model, pm)
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -185,6 +186,15 @@ def check_kind(kind: str, pm) -> dict:
         res["pad_velocity_rel"] = rel(
             velocity(adapter, model, padded), velocity(adapter, base, padded)
         )
+    # bf16 weights (what GPUs run): SP is no farther from fp32 than one process in bf16 is
+    sp16 = copy.deepcopy(base).to(torch.bfloat16)
+    one16 = copy.deepcopy(sp16)
+    enable_sequence_parallel(sp16, pm, 2)
+    with torch.no_grad():
+        v32, v_sp, v_one = (velocity(adapter, m, inputs) for m in (base, sp16, one16))
+    res["bf16_sp_vs_fp32_rel"] = rel(v_sp, v32)
+    res["bf16_one_vs_fp32_rel"] = rel(v_one, v32)
+    res["bf16_sp_vs_one_rel"] = rel(v_sp, v_one)
     if kind == "sd3":  # a stock (non-CP) processor put back: refused, never silently local
         from diffusers.models.attention_processor import JointAttnProcessor2_0
 
@@ -206,21 +216,23 @@ def check_kind(kind: str, pm) -> dict:
     # gradients through both CFG branches: LoRA (added first) + SP + FSDP2, +- checkpointing,
     # and with text padding
     weight = torch.randn(lat.shape, generator=torch.Generator().manual_seed(7))
-    for case, ckpt, data in (
-        ("lora_fsdp", False, inputs),
-        ("lora_fsdp_ckpt", True, inputs),
-        ("pad_lora_fsdp", False, padded),
-    ):
+    cases = [("lora_fsdp", False, inputs), ("lora_fsdp_ckpt", True, inputs)]
+    cases.append(("pad_lora_fsdp", False, padded))
+    if kind == "sd3":  # without set_sp_gradient_scale: FSDP's mean over dp x sp ranks
+        cases.append(("no_scale", False, inputs))
+    for case, ckpt, data in cases:
         model = copy.deepcopy(base)
         add_lora(model, adapter)
         ref = copy.deepcopy(model)
         if ckpt:
             model.enable_gradient_checkpointing()
         enable_sequence_parallel(model, pm, 2)
-        shard(model, pm)
-        out = compare_grads(
-            loss_grads(adapter, model, [data], weight), loss_grads(adapter, ref, [data], weight)
-        )
+        shard(model, pm, scale=case != "no_scale")
+        calls: list[int] = []  # block 0 runs twice per forward + backward under checkpointing
+        model.transformer_blocks[0].register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+        got = loss_grads(adapter, model, [data], weight)
+        out = compare_grads(got, loss_grads(adapter, ref, [data], weight))
+        out["block0_calls"] = len(calls)
         res.update({f"{case}_{k}": v for k, v in out.items()})
     return res
 

@@ -49,12 +49,28 @@ def test_forward_and_guided_velocity_equal_one_process(sp2, kind):
 
 
 @pytest.mark.parametrize("kind", sp_ranks.KINDS)
+def test_bf16_velocity_is_as_close_to_fp32_as_one_process(sp2, kind):
+    res = _kind(sp2, kind)
+    sp, one = res["bf16_sp_vs_fp32_rel"], res["bf16_one_vs_fp32_rel"]
+    print(f"{kind} bf16: sp {sp:.1e}, one process {one:.1e}, apart {res['bf16_sp_vs_one_rel']:.1e}")
+    assert sp <= 1.5 * one + 1e-3
+
+
+@pytest.mark.parametrize("kind", sp_ranks.KINDS)
 @pytest.mark.parametrize("case", ["lora_fsdp", "lora_fsdp_ckpt", "pad_lora_fsdp"])
 def test_lora_fsdp_gradients_equal_one_process(sp2, kind, case):
     res = _kind(sp2, kind)
+    print(
+        f"{kind} {case}: grads rel {res[f'{case}_grad_rel']:.1e}, scale {res[f'{case}_grad_ratio']}"
+    )
     assert res[f"{case}_n_grads"] > 0
+    assert res[f"{case}_block0_calls"] == (2 if case.endswith("ckpt") else 1)  # one CFG batch
     assert res[f"{case}_grad_rel"] < TOL
     assert res[f"{case}_grad_ratio"] == pytest.approx(1.0, abs=1e-5)  # not 1/sp
+
+
+def test_without_the_gradient_scale_fsdp_gives_grad_over_sp(sp2):
+    assert _kind(sp2, "sd3")["no_scale_grad_ratio"] == pytest.approx(0.5, abs=1e-5)
 
 
 @pytest.mark.parametrize("kind", sp_ranks.KINDS)
@@ -97,6 +113,7 @@ def test_heads_not_divisible_by_sp_is_a_clear_error(sp2):
 def test_four_ranks_dp2_sp2(dp2sp2, layout):
     for rank, res in enumerate(dp2sp2):
         got = res[layout]
+        print(f"{layout} rank {rank}: grads rel {got['grad_rel']:.1e}, scale {got['grad_ratio']}")
         assert (got["dp_rank"], got["sp_rank"], got["dp_size"]) == (rank // 2, rank % 2, 2)
         assert got["grad_rel"] < TOL
         assert got["grad_ratio"] == pytest.approx(1.0, abs=1e-5)

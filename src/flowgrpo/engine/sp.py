@@ -118,7 +118,7 @@ def build_parallel_mesh(
 # -- workaround: diffusers' device lookup on a machine without an accelerator ----------------
 @contextlib.contextmanager
 def cpu_accelerator_shim() -> Iterator[None]:
-    """diffusers 0.42.1 ``ModelMixin._resolve_parallel_config`` (models/modeling_utils.py:1718)
+    """diffusers 0.42.1 ``ModelMixin._resolve_parallel_config`` (models/modeling_utils.py:1719)
     does ``torch.device(device_type, rank % torch.accelerator.device_count())``: a
     ZeroDivisionError where there is no accelerator (CPU/gloo). The device is only recorded on
     the config (the mesh is ours), so report one device for the duration of the call. A no-op
@@ -283,7 +283,7 @@ def _attention_modules(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
 def check_cp_processors(transformer: nn.Module) -> None:
     """Raise unless every attention module's processor takes part in context parallelism
     (has the ``_parallel_config`` that ``enable_parallelism`` set). diffusers skips processors
-    without ``_attention_backend``/``_parallel_config`` silently (modeling_utils.py:1786-1823):
+    without ``_attention_backend``/``_parallel_config`` silently (modeling_utils.py:1791, 1821):
     such a layer would attend to its rank's tokens only and give wrong results, no error."""
     modules = _attention_modules(transformer)
     if not modules:
