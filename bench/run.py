@@ -4,7 +4,8 @@
     python -m bench --quick    # smoke: tiny size, one repeat (what the test runs)
 
 Every figure is a ratio of two times measured in the same run on the same machine, so the
-targets hold on any hardware; docs/performance.md explains each one.
+targets hold on any hardware (``sp``: a ratio of peak memories, sp=2 against sp=1 on CPU/gloo);
+docs/performance.md explains each one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TARGETS = {
     "cfg_kl_train_over_floor": ("<=", 1.05),
     "time_ratio_over_kept_fraction": ("<=", 1.1),
     "two_rank_per_sample_over_one_rank": ("<=", 1.2),
+    "sp2_peak_over_sp1": ("<=", 0.6),
 }
 
 
@@ -348,7 +350,7 @@ def machine_info() -> dict[str, object]:
 def check_targets(results: dict) -> list[dict[str, object]]:
     """Flatten every ratio that has a target into rows (kind, figure, value, target, met)."""
     rows = []
-    for section in ("rollout", "batched_cfg", "training", "zero_advantage", "sharding"):
+    for section in ("rollout", "batched_cfg", "training", "zero_advantage", "sharding", "sp"):
         for kind, figures in results.get(section, {}).items():
             for name, value in figures.items():
                 if name in TARGETS:
@@ -376,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
     parser.add_argument(
         "--sections",
-        default="rollout,batched_cfg,training,zero_advantage,sharding,toy",
-        help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,toy",
+        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,toy",
+        help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
+        "sp,toy",
     )
     args = parser.parse_args(argv)
     s = replace(QUICK if args.quick else BenchSettings(), device=args.device)
@@ -409,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sharding import bench_sharding
 
         results["sharding"] = {"sd3": bench_sharding(s, quick=args.quick)}
+    if "sp" in sections:  # sequence parallelism: 2 ranks (one SP group) vs 1, 4096 tokens
+        from bench.sp import bench_sp
+
+        results["sp"] = bench_sp(kinds, quick=args.quick, repeats=min(s.repeats, 3))
     if "toy" in sections:
         from bench.toy import bench_toy
 

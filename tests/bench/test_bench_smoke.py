@@ -31,6 +31,20 @@ TRAINING = {
     "cfg_cond_only_s",
     "cfg_cond_only_over_exact",
 }
+SP = {
+    "image_tokens",
+    "text_tokens",
+    "sp1_peak_mb",
+    "sp2_peak_mb",
+    "sp1_pass_peak_mb",
+    "sp2_pass_peak_mb",
+    "sp1_model_state_mb",
+    "sp2_model_state_mb",
+    "sp1_per_sample_s",
+    "sp2_per_sample_s",
+    "sp2_peak_over_sp1",
+    "sp2_time_over_sp1",
+}
 ZERO_ADVANTAGE = {
     "all_kept_s",
     "zero_dropped_s",
@@ -50,7 +64,7 @@ def test_quick_benchmark_writes_every_field(tmp_path):
                 "--out",
                 str(out),
                 "--sections",
-                "rollout,batched_cfg,training,zero_advantage,sharding,toy",
+                "rollout,batched_cfg,training,zero_advantage,sharding,sp,toy",
             ]
         )
         == 0
@@ -63,6 +77,8 @@ def test_quick_benchmark_writes_every_field(tmp_path):
             results["batched_cfg"][kind]
         )
         assert TRAINING <= set(results["training"][kind])
+        assert SP <= set(results["sp"][kind])
+        assert results["sp"][kind]["sp2_peak_mb"] > 0
         for value in results["rollout"][kind].values():
             assert value > 0
     assert ZERO_ADVANTAGE <= set(results["zero_advantage"]["sd3"])

@@ -26,6 +26,10 @@ _EXPORTS = {
     "EMA": "ema",
     "DiffusersFSDPEngine": "fsdp",
     "merge_lora": "fsdp",
+    "ParallelMesh": "sp",
+    "build_parallel_mesh": "sp",
+    "enable_sequence_parallel": "sp",
+    "set_sp_gradient_scale": "sp",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,343 @@
+"""The spawned ranks of tests/engine/test_sp.py (Ulysses SP through diffusers' context
+parallelism): each rank builds the tiny pipelines, an SP copy of the transformer and an
+unsharded single-process reference copy, runs both on the same inputs and records the worst
+relative difference over ranks; rank 0 saves every figure for the test process to assert on.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from pathlib import Path
+
+import torch
+
+from flowgrpo.models.base import PromptEmbeds
+
+KINDS = ("qwen_image", "flux", "sd3")
+HW = (32, 48)  # 8 x 12 = 96 image tokens
+ODD_HW = (36, 44)  # 9 x 11 = 99 image tokens: not divisible by 2
+TEXT = {"qwen_image": 10, "flux": 16, "sd3": 77 + 17}  # even: no padding
+GUIDANCE = 4.0
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def make_embeds(kind: str, adapter, batch: int, text_len: int, gen, lengths=None):
+    """Random prompt embeddings in the adapter's layout (Qwen: masked, ``lengths`` real tokens)."""
+    cfg = adapter.transformer.config
+    emb = torch.randn(batch, text_len, cfg.joint_attention_dim, generator=gen)
+    if kind == "qwen_image":
+        mask = torch.zeros(batch, text_len, dtype=torch.long)
+        for i, n in enumerate(lengths or [text_len] * batch):
+            mask[i, :n] = 1
+        return PromptEmbeds(emb, mask, None)
+    return PromptEmbeds(emb, None, torch.randn(batch, cfg.pooled_projection_dim, generator=gen))
+
+
+def make_inputs(kind: str, adapter, *, seed: int, batch: int = 2, hw=HW, text_len=None):
+    """latents (pipeline layout), sigma [B], positive and negative embeddings (Qwen: the
+    negative prompts shorter, so the doubled CFG batch is padded with a mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    text_len = text_len or TEXT[kind]
+    cfg = adapter.transformer.config
+    h, w = hw
+    if kind == "sd3":
+        lat = torch.randn(batch, cfg.in_channels, h // 2, w // 2, generator=gen)
+    else:
+        lat = torch.randn(batch, (h // 4) * (w // 4), cfg.in_channels, generator=gen)
+    sigma = torch.rand(batch, generator=gen) * 0.9 + 0.05
+    pos = make_embeds(kind, adapter, batch, text_len, gen, [text_len, text_len - 3])
+    neg = make_embeds(kind, adapter, batch, text_len, gen, [4, text_len - 1])
+    return lat, sigma, pos, neg
+
+
+def add_lora(model, adapter, targets=None) -> None:
+    """peft LoRA r4 on the adapter's targets, B randomised (B = 0 would zero every A grad)."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        targets = targets or list(adapter.lora_target_modules)
+        model.add_adapter(
+            LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=targets)
+        )
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.05)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
+def shard(model, pm, scale: bool = True) -> None:
+    """The engine's layout: fully_shard per block, then the root (fp32 output), on pm.fsdp;
+    then the SP gradient scale (``scale=False``: FSDP's default mean over all ranks)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from flowgrpo.engine.fsdp import transformer_blocks
+    from flowgrpo.engine.sp import set_sp_gradient_scale
+
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=pm.fsdp)
+    fully_shard(model, mesh=pm.fsdp, mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32))
+    if scale:
+        set_sp_gradient_scale(model, pm)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) grads of the trainable params (collective under FSDP); zeros where a
+    param got none (e.g. the text stream of Qwen-Image's last block feeds no output)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = p.grad
+            if g is None:
+                out[name] = torch.zeros(p.shape)
+            else:
+                out[name] = g.full_tensor() if isinstance(g, DTensor) else g.detach().clone()
+    return out
+
+
+def compare_grads(got: dict, ref: dict) -> dict[str, float]:
+    """grad_rel: max over params of max|g - g_ref| / (max |g_ref| over all params);
+    grad_ratio: <g, g_ref> / <g_ref, g_ref> (1 = the right scale)."""
+    assert got.keys() == ref.keys()
+    top = max(float(r.abs().max()) for r in ref.values())
+    err = max(float((got[n] - ref[n]).abs().max()) for n in ref) / top
+    num = sum(float((got[n] * ref[n]).sum()) for n in ref)
+    den = sum(float((ref[n] * ref[n]).sum()) for n in ref)
+    return {"grad_rel": err, "grad_ratio": num / den, "n_grads": len(ref)}
+
+
+def velocity(adapter, model, inputs, hw=HW):
+    lat, sigma, pos, neg = inputs
+    return adapter.velocity(
+        model, lat, sigma, pos, neg, guidance_scale=GUIDANCE, height=hw[0], width=hw[1]
+    )
+
+
+def loss_grads(adapter, model, inputs_list, weight) -> dict[str, torch.Tensor]:
+    """Grads of sum((v * weight)) through both CFG branches, averaged over ``inputs_list``
+    (one entry per data-parallel group: what FSDP's mean over dp gives)."""
+    total = None
+    for inputs in inputs_list:
+        model.zero_grad(set_to_none=True)
+        (velocity(adapter, model, inputs) * weight).sum().backward()
+        g = grads(model)
+        total = g if total is None else {n: total[n] + g[n] for n in g}
+    return {n: t / len(inputs_list) for n, t in total.items()}
+
+
+def _adapter(kind: str, **overrides):
+    from flowgrpo.models import build_adapter
+    from flowgrpo.models.tiny import tiny_pipeline
+
+    adapter = build_adapter(tiny_pipeline(kind, **overrides))
+    if kind == "flux":  # FLUX.1-dev's guidance is distilled: true CFG gives the second branch
+        adapter.true_cfg_scale = GUIDANCE
+    return adapter
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def check_kind(kind: str, pm) -> dict:
+    """Every 2-rank check of one family; figures are this rank's."""
+    from flowgrpo.engine.sp import enable_sequence_parallel
+
+    adapter = _adapter(kind)
+    base = adapter.transformer
+    inputs = make_inputs(kind, adapter, seed=1)
+    lat, sigma, pos, _ = inputs
+    res: dict = {}
+
+    def fwd(model, lat=lat, embeds=pos, hw=HW):
+        return adapter.forward(
+            model, lat, sigma, embeds, height=hw[0], width=hw[1], guidance_scale=GUIDANCE
+        )
+
+    # forward and the guided velocity (CFG doubled batch), no grad
+    model = copy.deepcopy(base)
+    info = enable_sequence_parallel(model, pm, 2)
+    res["family"] = info.family
+    with torch.no_grad():
+        res["forward_rel"] = rel(fwd(model), fwd(base))
+        res["velocity_rel"] = rel(velocity(adapter, model, inputs), velocity(adapter, base, inputs))
+        odd = make_inputs(kind, adapter, seed=2, hw=ODD_HW)
+        res["odd_image_error"] = _error(lambda: fwd(model, odd[0], hw=ODD_HW))
+        # the text padding: a length that does not divide by 2 (Qwen: masked prompts)
+        padded = make_inputs(kind, adapter, seed=3, text_len=TEXT[kind] + 1)
+        res["pad_text_len"] = padded[2].embeds.shape[1]
+        res["pad_forward_rel"] = rel(
+            fwd(model, padded[0], padded[2]), fwd(base, padded[0], padded[2])
+        )
+        res["pad_velocity_rel"] = rel(
+            velocity(adapter, model, padded), velocity(adapter, base, padded)
+        )
+    # bf16 weights (what GPUs run): SP is no farther from fp32 than one process in bf16 is
+    sp16 = copy.deepcopy(base).to(torch.bfloat16)
+    one16 = copy.deepcopy(sp16)
+    enable_sequence_parallel(sp16, pm, 2)
+    with torch.no_grad():
+        v32, v_sp, v_one = (velocity(adapter, m, inputs) for m in (base, sp16, one16))
+    res["bf16_sp_vs_fp32_rel"] = rel(v_sp, v32)
+    res["bf16_one_vs_fp32_rel"] = rel(v_one, v32)
+    res["bf16_sp_vs_one_rel"] = rel(v_sp, v_one)
+    if kind == "sd3":  # a stock (non-CP) processor put back: refused, never silently local
+        from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+        model.transformer_blocks[1].attn.set_processor(JointAttnProcessor2_0())
+        res["stock_processor_error"] = _error(lambda: fwd(model))
+    if kind == "qwen_image":  # ranks of an SP group fed different samples: refused
+        checked = copy.deepcopy(base)
+        enable_sequence_parallel(checked, pm, 2, verify_inputs=True)
+        mine = make_inputs(kind, adapter, seed=10 + pm.sp_rank)
+        with torch.no_grad():
+            res["mismatch_error"] = _error(lambda: fwd(checked, mine[0], mine[2]))
+    if kind == "flux":  # LoRA added after SP on the output layer (its gather hook): refused
+        late = copy.deepcopy(base)
+        enable_sequence_parallel(late, pm, 2)
+        add_lora(late, adapter, targets=["proj_out"])
+        with torch.no_grad():
+            res["lora_after_sp_error"] = _error(lambda: fwd(late))
+
+    # gradients through both CFG branches: LoRA (added first) + SP + FSDP2, +- checkpointing,
+    # and with text padding
+    weight = torch.randn(lat.shape, generator=torch.Generator().manual_seed(7))
+    cases = [("lora_fsdp", False, inputs), ("lora_fsdp_ckpt", True, inputs)]
+    cases.append(("pad_lora_fsdp", False, padded))
+    if kind == "sd3":  # without set_sp_gradient_scale: FSDP's mean over dp x sp ranks
+        cases.append(("no_scale", False, inputs))
+    for case, ckpt, data in cases:
+        model = copy.deepcopy(base)
+        add_lora(model, adapter)
+        ref = copy.deepcopy(model)
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        enable_sequence_parallel(model, pm, 2)
+        shard(model, pm, scale=case != "no_scale")
+        calls: list[int] = []  # block 0 runs twice per forward + backward under checkpointing
+        model.transformer_blocks[0].register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+        got = loss_grads(adapter, model, [data], weight)
+        out = compare_grads(got, loss_grads(adapter, ref, [data], weight))
+        out["block0_calls"] = len(calls)
+        res.update({f"{case}_{k}": v for k, v in out.items()})
+    return res
+
+
+def _heads_error(pm) -> str:
+    from diffusers import FluxTransformer2DModel
+
+    from flowgrpo.engine.sp import enable_sequence_parallel
+    from flowgrpo.models.tiny import TRANSFORMER_CONFIGS
+
+    model = FluxTransformer2DModel(**{**TRANSFORMER_CONFIGS["flux"], "num_attention_heads": 3})
+    return _error(lambda: enable_sequence_parallel(model, pm, 2))
+
+
+def _merge(results: list[dict]) -> dict:
+    """Worst value over ranks for figures (``*_rel``; ``*_ratio`` farthest from 1), errors of
+    rank 0 (every rank raises the same)."""
+    out = dict(results[0])
+    for key in out:
+        if key.endswith("_rel"):
+            out[key] = max(r[key] for r in results)
+        elif key.endswith("_ratio"):
+            out[key] = max((r[key] for r in results), key=lambda v: abs(v - 1))
+    return out
+
+
+def _setup(rank: int, world: int, port: int):
+    import tinymodel
+
+    tinymodel._setup(rank, world, port)
+    import warnings
+
+    import diffusers
+
+    warnings.filterwarnings("ignore", message=".*experimental feature.*")
+    diffusers.utils.logging.set_verbosity_error()
+    from flowgrpo.engine import init_distributed
+
+    return init_distributed()
+
+
+def sp_job(rank: int, world: int, port: int, workdir: str) -> None:
+    """2 ranks = one SP group (sp 2, dp 1)."""
+    import torch.distributed as dist
+
+    from flowgrpo.engine import cleanup
+    from flowgrpo.engine.sp import build_parallel_mesh
+
+    _setup(rank, world, port)
+    pm = build_parallel_mesh(world, 1, 2, "cpu")
+    results: dict = {
+        "mesh": dict(
+            dp_rank=pm.dp_rank,
+            dp_size=pm.dp_size,
+            sp_rank=pm.sp_rank,
+            sp_size=pm.sp_size,
+            fsdp=pm.fsdp.size(),
+        )
+    }
+    for kind in KINDS:
+        try:
+            results[kind] = check_kind(kind, pm)
+        except Exception:  # noqa: BLE001 - reported to the test process
+            results[kind] = {"crash": traceback.format_exc()}
+    results["heads_error"] = _heads_error(pm)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        merged = {k: v for k, v in results.items() if k not in KINDS}
+        merged["meshes"] = [g["mesh"] for g in gathered]
+        for kind in KINDS:
+            per_rank = [g[kind] for g in gathered]
+            crash = [r["crash"] for r in per_rank if "crash" in r]
+            merged[kind] = {"crash": crash[0]} if crash else _merge(per_rank)
+        torch.save(merged, Path(workdir) / "sp2.pt")
+    cleanup()
+
+
+def dp_sp_job(rank: int, world: int, port: int, workdir: str) -> None:
+    """4 ranks: dp2 x sp2 (FSDP over all 4) and HSDP replicate2 x sp2; the SP groups get
+    different samples, the reference is the mean over the dp groups' gradients."""
+    import torch.distributed as dist
+
+    from flowgrpo.engine import cleanup
+    from flowgrpo.engine.sp import build_parallel_mesh, enable_sequence_parallel
+
+    _setup(rank, world, port)
+    kind = "sd3"  # the cheapest tiny pipeline to build
+    adapter = _adapter(kind)
+    base = adapter.transformer
+    res: dict = {"rank": rank}
+    for name, replicate in (("dp2sp2", 1), ("hsdp2sp2", 2)):
+        pm = build_parallel_mesh(world, replicate, 2, "cpu")
+        res[name] = {"dp_rank": pm.dp_rank, "sp_rank": pm.sp_rank, "dp_size": pm.dp_size}
+        data = [make_inputs(kind, adapter, seed=20 + d) for d in range(pm.dp_size)]
+        weight = torch.randn(data[0][0].shape, generator=torch.Generator().manual_seed(7))
+        model = copy.deepcopy(base)
+        add_lora(model, adapter)
+        ref = copy.deepcopy(model)
+        enable_sequence_parallel(model, pm, 2)
+        shard(model, pm)
+        got = loss_grads(adapter, model, [data[pm.dp_rank]], weight)  # FSDP: mean over dp
+        res[name].update(compare_grads(got, loss_grads(adapter, ref, data, weight)))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        torch.save(gathered, Path(workdir) / "dp2sp2.pt")
+    cleanup()
