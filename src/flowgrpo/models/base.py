@@ -94,7 +94,7 @@ class Schedule(NamedTuple):
 
 
 class DiffusionAdapter(ABC):
-    """Base class of the per-family adapters (one file each: qwen_image, sd3, flux, toy)."""
+    """Base class of the per-family adapters (one file each: qwen_image, sd3, flux, wan, toy)."""
 
     #: default LoRA target module names for this family (peft ``target_modules``)
     lora_target_modules: tuple[str, ...] = ()
@@ -161,12 +161,31 @@ class DiffusionAdapter(ABC):
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Final latents (pipeline layout) -> images [B, C, H, W] fp32 in [0, 1] on CPU."""
+        """Final latents (pipeline layout) -> images [B, C, H, W] fp32 in [0, 1] on CPU
+        (video families: videos [B, C, F, H, W])."""
+
+    def check_num_frames(self, num_frames: int | None) -> int | None:
+        """The frame count a rollout generates. Image families return None and refuse a
+        ``num_frames``; video families (Wan) validate it, default it, and take it as the
+        ``num_frames`` keyword of ``prepare_latents``."""
+        if num_frames is not None:
+            raise ValueError(
+                f"{type(self).__name__} generates images: num_frames={num_frames} applies to "
+                "video models only"
+            )
+        return None
+
+    def guidance_at(self, guidance_scale: float, sigma: torch.Tensor) -> float | torch.Tensor:
+        """The guidance scale in effect at noise level ``sigma`` [B]: ``guidance_scale`` itself
+        (a float) unless the family changes it along the schedule (Wan2.2's low-noise expert
+        has its own ``guidance_scale_2``), then a [B] tensor, one scale per sample."""
+        return guidance_scale
 
     def guide(
-        self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float
+        self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float | torch.Tensor
     ) -> torch.Tensor:
-        """Standard classifier-free guidance: v_u + g (v_c - v_u). Families override this."""
+        """Standard classifier-free guidance: v_u + g (v_c - v_u). Families override this.
+        ``guidance_scale`` is a float or a tensor that broadcasts against the velocities."""
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     # -- shared ------------------------------------------------------------------------------
@@ -242,7 +261,10 @@ class DiffusionAdapter(ABC):
         else:
             v_cond = call(latents, sigma, embeds)
             v_uncond = call(latents, sigma, negative_embeds)
-        return self.guide(v_cond, v_uncond, guidance_scale)
+        scale = self.guidance_at(guidance_scale, sigma)
+        if isinstance(scale, torch.Tensor):  # one scale per sample: [B, 1, ...]
+            scale = scale.to(v_cond.device, out_dtype).view(-1, *[1] * (v_cond.ndim - 1))
+        return self.guide(v_cond, v_uncond, scale)
 
 
 __all__ = ["CFG_GRAD_MODES", "DiffusionAdapter", "PromptEmbeds", "Schedule", "param_dtype"]

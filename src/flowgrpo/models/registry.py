@@ -18,6 +18,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "QwenImagePipeline": "flowgrpo.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "flowgrpo.models.sd3:SD3Adapter",
     "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
+    "WanPipeline": "flowgrpo.models.wan:WanAdapter",
     "ToyDigitsPipeline": "flowgrpo.models.toy:ToyAdapter",
 }
 
@@ -75,6 +76,8 @@ def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -
 
     The pipeline class named in ``model_index.json`` is checked before any weight is read.
     A class diffusers does not ship (``ToyDigitsPipeline``) is taken from its adapter's module.
+    An adapter's optional ``prepare_pipeline(pipe)`` is applied last (Wan: the hub's UniPC
+    scheduler becomes the flow-matching Euler scheduler with the same shift).
     """
     name = read_model_index(path).get("_class_name")
     if name not in SUPPORTED_PIPELINES:
@@ -91,4 +94,8 @@ def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -
     kwargs: dict[str, Any] = {"local_files_only": True}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
-    return cls.from_pretrained(str(Path(path).expanduser()), **kwargs)
+    pipe = cls.from_pretrained(str(Path(path).expanduser()), **kwargs)
+    module_name, _, attr = SUPPORTED_PIPELINES[name].partition(":")
+    adapter_cls = getattr(importlib.import_module(module_name), attr, None)
+    prepare = getattr(adapter_cls, "prepare_pipeline", None)
+    return pipe if prepare is None else prepare(pipe)

@@ -14,6 +14,12 @@ real pipeline runs and shapes/semantics match the real models:
   34 tokens (the pipeline drops ``prompt_template_encode_start_idx = 34``).
 - SD3 mimics SD3.5-Medium (qk RMS-norm, a dual-attention first layer); FLUX mimics FLUX.1-dev
   (``guidance_embeds=True``).
+- Video (``TINY_VIDEO_KINDS``): ``"wan"`` is a ``WanPipeline`` like Wan2.1-T2V (UMT5, Wan VAE
+  with the real temporal x4 and a spatial x4, patch (1, 2, 2)); ``"wan22"`` adds a second expert
+  ``transformer_2`` (next seed) and ``boundary_ratio`` 0.875, as Wan2.2-T2V-A14B. Scheduler:
+  ``FlowMatchEulerDiscreteScheduler(shift=3)`` (Wan's 480p ``flow_shift``; the hub ships UniPC).
+  H, W multiples of 16 (the pipeline's check), F = 4k + 1 frames: a video of F x H x W has
+  ((F - 1)/4 + 1) x (H/8) x (W/8) transformer tokens.
 
 Construction is deterministic per ``seed`` and leaves the global torch RNG untouched.
 """
@@ -29,7 +35,8 @@ import torch
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-TINY_KINDS = ("qwen_image", "sd3", "flux")
+TINY_KINDS = ("qwen_image", "sd3", "flux")  # image pipelines
+TINY_VIDEO_KINDS = ("wan", "wan22")  # WanPipeline: Wan2.1-like, Wan2.2-like (two experts)
 TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
 
 # The real models' scheduler/scheduler_config.json (num_train_timesteps=1000 for all).
@@ -48,6 +55,9 @@ SCHEDULER_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # stabilityai/stable-diffusion-3.5-medium (and SD3-medium)
     "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
+    # Wan-AI/Wan2.1-T2V-*-Diffusers ship UniPC with flow_shift 3.0 (480p); the Euler equivalent
+    "wan": {"num_train_timesteps": 1000, "shift": 3.0},
+    "wan22": {"num_train_timesteps": 1000, "shift": 3.0},
     # black-forest-labs/FLUX.1-dev
     "flux": {
         "num_train_timesteps": 1000,
@@ -102,7 +112,23 @@ TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
         "guidance_embeds": True,
         "axes_dims_rope": (8, 12, 12),
     },
+    "wan": {
+        "patch_size": (1, 2, 2),
+        "num_attention_heads": 2,
+        "attention_head_dim": 32,  # RoPE split t/h/w = 12/10/10
+        "in_channels": 4,  # = the tiny VAE's z_dim (real Wan2.1/2.2-A14B: 16)
+        "out_channels": 4,
+        "text_dim": 32,  # = UMT5 d_model
+        "freq_dim": 32,
+        "ffn_dim": 128,
+        "num_layers": 2,
+        "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads",
+        "eps": 1e-6,
+        "rope_max_seq_len": 1024,
+    },
 }
+TRANSFORMER_CONFIGS["wan22"] = dict(TRANSFORMER_CONFIGS["wan"])  # each expert
 
 # Words the tokenizers know whole; anything else falls back to smaller pieces.
 _WORDS = (
@@ -417,19 +443,92 @@ def _build_flux(tcfg: dict[str, Any], seeds) -> Any:
     )
 
 
-_BUILDERS = {"qwen_image": _build_qwen_image, "sd3": _build_sd3, "flux": _build_flux}
+def _build_wan(tcfg: dict[str, Any], seeds, two_experts: bool = False) -> Any:
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = _t5_tokenizer()
+    d = tcfg["text_dim"]
+    torch.manual_seed(next(seeds))
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tok),
+            d_model=d,
+            d_kv=d // 2,
+            d_ff=2 * d,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            dropout_rate=0.0,
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+            use_cache=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            decoder_start_token_id=tok.pad_token_id,
+        )
+    )
+    torch.manual_seed(next(seeds))
+    z = tcfg["in_channels"]
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z,
+        dim_mult=[1, 1, 1],  # two down/up stages: spatial x4
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[True, True],  # temporal x4, as the real Wan VAE
+        latents_mean=[0.1 * ((i % 5) - 2) for i in range(z)],
+        latents_std=[1.5 + 0.5 * (i % 4) for i in range(z)],
+        scale_factor_spatial=4,  # config values the pipeline reads: must match the layout
+        scale_factor_temporal=4,
+    )
+    experts = []
+    for _ in range(2 if two_experts else 1):
+        torch.manual_seed(next(seeds))
+        experts.append(WanTransformer3DModel(**tcfg))
+    kind = "wan22" if two_experts else "wan"
+    return WanPipeline(
+        tokenizer=tok,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS[kind]),
+        transformer=experts[0],
+        transformer_2=experts[1] if two_experts else None,
+        boundary_ratio=0.875 if two_experts else None,  # Wan2.2-T2V-A14B's model_index.json
+    )
+
+
+def _build_wan22(tcfg: dict[str, Any], seeds) -> Any:
+    return _build_wan(tcfg, seeds, two_experts=True)
+
+
+_BUILDERS = {
+    "qwen_image": _build_qwen_image,
+    "sd3": _build_sd3,
+    "flux": _build_flux,
+    "wan": _build_wan,
+    "wan22": _build_wan22,
+}
+_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
     """A real diffusers pipeline of family ``kind`` with tiny random weights, built offline.
 
     ``overrides`` replace entries of the transformer config (``TRANSFORMER_CONFIGS[kind]``),
-    e.g. ``num_layers=1``; text encoders follow ``joint_attention_dim``/``pooled_projection_dim``.
+    e.g. ``num_layers=1``; text encoders follow ``joint_attention_dim``/``pooled_projection_dim``
+    (Wan: UMT5 follows ``text_dim``, the VAE's latent channels ``in_channels``).
     All modules are fp32, on CPU, in eval mode with ``requires_grad`` left on, as
     ``from_pretrained`` returns them. The global torch RNG is left untouched.
     """
     if kind not in _BUILDERS:
-        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {_ALL_KINDS}")
     tcfg = dict(TRANSFORMER_CONFIGS[kind])
     unknown = sorted(set(overrides) - set(tcfg))
     if unknown:
@@ -452,9 +551,10 @@ def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeli
 def tiny_size(kind: str) -> tuple[int, int]:
     """A small valid (height, width) in pixels for tests: 32 x 48 (8 x 12 = 96 tokens).
 
-    Any H, W that are multiples of ``TINY_MULTIPLE`` (4) work for every kind; the benchmark size
-    is 128 x 128 (32 x 32 = 1024 tokens). Non-square on purpose, to catch H/W mix-ups.
+    Any H, W that are multiples of ``TINY_MULTIPLE`` (4) work for every image kind; the
+    benchmark size is 128 x 128 (32 x 32 = 1024 tokens). Non-square on purpose, to catch H/W
+    mix-ups. Wan kinds need multiples of 16: 32 x 48 gives 4 x 6 tokens per latent frame.
     """
     if kind not in _BUILDERS:
-        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {_ALL_KINDS}")
     return 32, 48

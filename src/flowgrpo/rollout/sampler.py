@@ -34,7 +34,8 @@ class Trajectory:
 
     latents [B, K+1, ...]: latents[:, k] before trained step k, latents[:, k+1] after it.
     log_probs, sigmas, sigmas_next, timesteps, step_indices: [B, K].
-    final_latents: pipeline ``output_type="latent"`` layout; images [B, C, H, W] in [0, 1].
+    final_latents: pipeline ``output_type="latent"`` layout; images [B, C, H, W] in [0, 1]
+    (video adapters: videos [B, C, F, H, W], and ``num_frames`` = F; None for images).
     """
 
     prompts: list[str]
@@ -54,6 +55,7 @@ class Trajectory:
     guidance_scale: float
     noise_level: float
     sde_type: str
+    num_frames: int | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -233,8 +235,10 @@ def sample_trajectories(
     deterministic_last_step: bool = True,
     transformer: torch.nn.Module | None = None,
     decode: bool = True,
+    num_frames: int | None = None,
 ) -> Trajectory:
-    """Generate B = len(prompts) images and record the K trained SDE steps of each.
+    """Generate B = len(prompts) images (videos of ``num_frames`` frames for video adapters,
+    whose default applies when None) and record the K trained SDE steps of each.
 
     Stochastic steps: the SDE window of each sample if ``sde_window`` is given, else every
     step (but the last when ``deterministic_last_step``); the first ``timestep_fraction`` of
@@ -245,12 +249,14 @@ def sample_trajectories(
     batch = len(prompts)
     if isinstance(generator, list) and len(generator) != batch:
         raise ValueError(f"got {len(generator)} generators for {batch} prompts")
+    num_frames = adapter.check_num_frames(num_frames)  # None for image adapters
+    video = {} if num_frames is None else {"num_frames": num_frames}
     embeds, negative = adapter.encode(prompts, negative_prompts, guidance_scale=guidance_scale)
     schedule = adapter.schedule(num_steps, height, width)
     sigmas = schedule.sigmas.float().cpu()
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else float(sigmas[0])
     if latents is None:
-        latents = adapter.prepare_latents(batch, height, width, generator)
+        latents = adapter.prepare_latents(batch, height, width, generator, **video)
     # trajectories are fp32 (fp64 stays fp64) whatever the transformer's dtype: a bf16 latent
     # would make the training pass recompute a different log-prob than the rollout drew
     latents = latents.to(adapter.device, torch.promote_types(latents.dtype, torch.float32))
@@ -313,6 +319,7 @@ def sample_trajectories(
         guidance_scale=guidance_scale,
         noise_level=noise_level,
         sde_type=sde_type,
+        num_frames=num_frames,
     )
 
 
