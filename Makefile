@@ -8,7 +8,7 @@ STAMP := $(VENV)/.flowgrpo-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+docs: $(STAMP)
+	$(PY) -m flowgrpo.config.docs --write
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

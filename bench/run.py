@@ -293,13 +293,16 @@ def bench_zero_advantage(s: BenchSettings, drop: float = 0.5) -> dict[str, float
     has advantage exactly 0 and is skipped, against every sample kept. The time should fall in
     proportion: ``time_ratio_over_kept_fraction`` ~ 1."""
     from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig, init_distributed
-    from flowgrpo.engine.config import LoraConfig
+    from flowgrpo.engine.config import LoraConfig, UpdateConfig
     from flowgrpo.rollout import SDEWindow
 
     init_distributed()
     batch = max(4, 2 * s.batch)
     _, adapter, _, _, _ = _setup("sd3", s)
-    cfg = EngineConfig(lora=LoraConfig(rank=8, alpha=16), micro_batch_size=2)
+    cfg = EngineConfig(
+        lora=LoraConfig(rank=8, alpha=16),
+        update=UpdateConfig(micro_batch_size=2, num_minibatches=1),
+    )
     engine = DiffusersFSDPEngine(adapter, cfg)
     prompts = [f"a photo of a red cube number {i}" for i in range(batch)]
     gen = torch.Generator().manual_seed(0)

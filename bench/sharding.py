@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
     torch.set_num_threads(max(1, settings["threads"] // world))
     from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig
     from flowgrpo.engine import dist as fdist
-    from flowgrpo.engine.config import FSDPConfig, LoraConfig
+    from flowgrpo.engine.config import FSDPConfig, LoraConfig, UpdateConfig
     from flowgrpo.models import build_adapter, tiny_pipeline
     from flowgrpo.rollout import SDEWindow, sample_trajectories
 
@@ -68,8 +68,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
             fsdp=FSDPConfig(
                 param_dtype="fp32", reshard_after_forward=settings.get("reshard", True)
             ),
-            micro_batch_size=share,
-            num_minibatches=1,
+            update=UpdateConfig(micro_batch_size=share, num_minibatches=1),
         ),
         info,
     )

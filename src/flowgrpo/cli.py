@@ -74,14 +74,16 @@ def _checkpoint(text: str | None) -> str | None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from flowgrpo.config import config_to_yaml, load_config
+    from flowgrpo.config import load_config
 
     preset, overrides = split_config_args(args.config_args)
     if args.help:
+        from flowgrpo.config.docs import commented_yaml
+
         print(args.parser.format_help())
         cfg = load_config(preset, overrides, check_paths=False)
         print(f"effective config (preset {cfg.preset!r}; every key is settable as KEY=VALUE):\n")
-        print(config_to_yaml(cfg), end="")
+        print(commented_yaml(cfg), end="")
         return 0
     cfg = load_config(preset, overrides, command="train")
     from flowgrpo.trainer.flow_grpo import run_training
@@ -107,11 +109,12 @@ def _in_process_group(cfg: Any, job: Any) -> int:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    from flowgrpo.config import config_to_yaml, load_config
+    from flowgrpo.config import load_config
+    from flowgrpo.config.docs import commented_yaml
 
     preset, overrides = split_config_args(args.config_args)
     cfg = load_config(preset, overrides, check_paths=args.check)
-    print(config_to_yaml(cfg), end="")
+    print(commented_yaml(cfg), end="")
     return 0
 
 

@@ -66,7 +66,7 @@ def test_wrong_type_names_key_type_and_value(override: str, expected: str) -> No
         ),
         (["sample.timestep_fraction=0"], "'sample.timestep_fraction' must be in (0, 1]"),
         (["advantage.mode=max"], "'advantage.mode' must be one of 'weighted_sum', 'advantage'"),
-        (["model.kind=sdxl"], "'model.kind' must be one of 'auto', 'toy'"),
+        (["model.dtype=fp8"], "'model.dtype' must be one of 'auto', 'fp32', 'bf16', 'fp16'"),
         (["sample.use_ema_for_rollout=true"], "'ema.enabled' must be true with sample.use_ema"),
         (["reward=ocr,ocr:0.5"], "'reward' must be a list of distinct rewards"),
         # window: 10 steps with a deterministic last step leave 9 stochastic steps
@@ -81,7 +81,7 @@ def test_wrong_type_names_key_type_and_value(override: str, expected: str) -> No
             ["sample.num_steps=1", "sample.deterministic_last_step=false"],
             "'sample.num_steps' must be >= 2 with sde_type 'sde', got 1",
         ),
-        (["train.cfg_grad=uncond"], "'train.cfg_grad' must be one of 'both', 'cond_only'"),
+        (["loss.cfg_grad=uncond"], "'loss.cfg_grad' must be one of 'both', 'cond_only'"),
     ],
 )
 def test_out_of_range_names_key_and_range(overrides: list[str], expected: str) -> None:
@@ -188,16 +188,18 @@ def test_reward_weights_must_be_finite(override: str, expected: str) -> None:
 
 
 def test_a_function_named_like_a_number_takes_a_weight() -> None:
-    from flowgrpo.config import RewardConfig
+    from flowgrpo.config import RewardSpec
 
     cfg = load_config(None, ["reward=mymod:nan:0.5,digits"], check_paths=False)
-    assert cfg.reward == [RewardConfig(name="mymod:nan", weight=0.5), RewardConfig("digits")]
+    assert cfg.reward == [RewardSpec(name="mymod:nan", weight=0.5), RewardSpec("digits")]
 
 
 def test_multi_reward_rejects_non_finite_weights() -> None:
     from flowgrpo.rewards import MultiReward, RewardSpec
 
-    with pytest.raises(ValueError, match="reward 'digits': weights must be finite numbers"):
+    with pytest.raises(
+        ValueError, match="config key 'reward.digits.weight' must be a finite number"
+    ):
         MultiReward([RewardSpec("digits", float("nan"))])
-    with pytest.raises(ValueError, match="key_weights {'acc': inf}"):
+    with pytest.raises(ValueError, match="'reward.digits.key_weights.acc' must be a finite number"):
         MultiReward([RewardSpec("digits", 1.0, key_weights={"acc": float("inf")})])

@@ -7,14 +7,12 @@ import yaml
 
 from flowgrpo.config import (
     Config,
-    RewardConfig,
+    RewardSpec,
     config_from_dict,
     config_to_yaml,
-    engine_config,
     list_presets,
     load_config,
 )
-from flowgrpo.engine.config import EngineConfig
 
 
 def test_override_types() -> None:
@@ -97,14 +95,18 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
     }
     toy = cfgs["toy-digits"]
     assert load_config().preset == "toy-digits"
-    assert (toy.model.kind, toy.model.height, toy.sample.group_size) == ("toy", 8, 16)
+    assert (toy.model.path, toy.model.height, toy.sample.group_size) == (
+        "builtin:toy-digits",
+        8,
+        16,
+    )
     assert (toy.sample.prompts_per_step, toy.sample.num_steps, toy.sample.noise_level) == (
         10,
         10,
         0.7,
     )
     assert (toy.lora.enabled, toy.optim.lr, toy.loss.kl_beta) == (False, 3e-4, 0.04)
-    assert toy.train.num_minibatches == 1 and toy.sample.guidance_scale == 1.0
+    assert toy.update.num_minibatches == 1 and toy.sample.guidance_scale == 1.0
     assert [r.name for r in toy.reward] == ["digits"] and toy.run.output_dir == "runs/toy-digits"
     sd3 = cfgs["sd3-ocr"]
     assert (sd3.sample.group_size, sd3.sample.guidance_scale, sd3.loss.kl_beta) == (24, 4.5, 0.04)
@@ -131,8 +133,8 @@ def test_yaml_round_trip_and_yaml_file_preset(tmp_path) -> None:
     path.write_text("base: toy-digits\ntrainer: {max_steps: 3}\nreward: ocr:0.5\n")
     mine = load_config(str(path), ["seed=4"], check_paths=False)
     assert (mine.trainer.max_steps, mine.trainer.eval_every, mine.seed) == (3, 10, 4)
-    assert mine.reward == [RewardConfig(name="ocr", weight=0.5)]
-    assert mine.model.kind == "toy" and mine.preset == "mine"
+    assert mine.reward == [RewardSpec(name="ocr", weight=0.5)]
+    assert mine.model.path == "builtin:toy-digits" and mine.preset == "mine"
     (tmp_path / "bad.yaml").write_text("sample: {group_sise: 4}\n")
     try:
         load_config(str(tmp_path / "bad.yaml"), check_paths=False)
@@ -143,19 +145,18 @@ def test_yaml_round_trip_and_yaml_file_preset(tmp_path) -> None:
         raise AssertionError("expected a ConfigError")
 
 
-def test_engine_config() -> None:
+def test_the_engine_reads_the_run_config_itself() -> None:
+    """No copy: the derived values are resolved once, in the sections the engine reads."""
     cfg = load_config(
         "sd3-ocr",
         ["optim.lr_schedule=cosine", "trainer.max_steps=50", "model.dtype=fp16", "seed=9"],
         check_paths=False,
     )
-    eng = engine_config(cfg)
-    assert isinstance(eng, EngineConfig)
-    assert (eng.micro_batch_size, eng.num_minibatches, eng.seed) == (8, 2, 9)
-    assert eng.optim.total_steps == 100 and eng.fsdp.param_dtype == "fp16"
-    assert eng.lora.rank == 32 and eng.loss.kl_beta == 0.04 and eng.ema.enabled
-    eng.validate()
-    assert cfg.optim.total_steps == 0 and cfg.fsdp.param_dtype == "auto"  # cfg untouched
+    assert (cfg.update.micro_batch_size, cfg.update.num_minibatches, cfg.seed) == (8, 2, 9)
+    assert cfg.optim.total_steps == 100 and cfg.fsdp.param_dtype == "fp16"
+    assert cfg.lora.rank == 32 and cfg.loss.kl_beta == 0.04 and cfg.ema.enabled
+    explicit = load_config(None, ["optim.lr_schedule=cosine", "optim.total_steps=7"])
+    assert explicit.optim.total_steps == 7 and explicit.fsdp.param_dtype == "fp32"
     assert Config().run.output_dir == "runs/{preset}"
     assert load_config(None, ["run.output_dir=out/{preset}"], check_paths=False).run.output_dir == (
         "out/toy-digits"
@@ -175,7 +176,7 @@ def test_base_resolves_against_the_yaml_files_folder(tmp_path, monkeypatch) -> N
     monkeypatch.chdir(elsewhere)
     cfg = load_config(str(conf / "exp.yaml"), check_paths=False)
     assert (cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.seed) == (7, 3, 11)
-    assert cfg.model.kind == "toy" and cfg.preset == "exp"
+    assert cfg.model.path == "builtin:toy-digits" and cfg.preset == "exp"
     monkeypatch.chdir(conf)  # a relative top-level path still resolves against the cwd
     assert load_config("exp.yaml", check_paths=False).trainer.max_steps == 7
 

@@ -10,9 +10,9 @@ import pytest
 
 from flowgrpo.data.prompts import (
     KRepeatSampler,
-    digit_prompts,
     load_prompts,
     prompt_splits,
+    rank_slice,
     split_dataset,
 )
 
@@ -62,20 +62,22 @@ def test_parquet_without_pyarrow_is_a_clear_error(tmp_path) -> None:
 
 
 def test_digits_and_splits(tmp_path) -> None:
-    d = digit_prompts()
+    d = load_prompts("builtin:digits")  # the toy's set, shipped in the package
     assert d.prompts[7] == "a handwritten 7" and d.metadata[7] == {"digit": 7} and len(d) == 10
     tr, ev = split_dataset(d, 0.3, seed=1)
     assert (len(tr), len(ev)) == (7, 3) and not set(tr.prompts) & set(ev.prompts)
     assert split_dataset(d, 0.3, seed=1)[1].prompts == ev.prompts  # deterministic
     assert split_dataset(d, 0.0) == (d, d)
+    with pytest.raises(ValueError, match="no built-in prompt set 'builtin:digitz'"):
+        load_prompts("builtin:digitz")
     cfg = SimpleNamespace(
-        train_prompts=None, eval_prompts=None, eval_fraction=0.0, eval_num_prompts=4
+        train_prompts="builtin:digits", eval_prompts=None, eval_fraction=0.0, eval_num_prompts=4
     )
     tr, ev = prompt_splits(cfg)
     assert len(tr) == 10 and ev.prompts == d.prompts[:4]
     f = tmp_path / "eval.txt"
     f.write_text("e1\ne2\n")
-    tr, ev = prompt_splits(SimpleNamespace(train_prompts=None, eval_prompts=str(f),
+    tr, ev = prompt_splits(SimpleNamespace(train_prompts="builtin:digits", eval_prompts=str(f),
                                            eval_fraction=0.5, eval_num_prompts=0))  # fmt: skip
     assert len(tr) == 10 and ev.prompts == ["e1", "e2"]
 
@@ -83,21 +85,21 @@ def test_digits_and_splits(tmp_path) -> None:
 def test_k_repeat_groups_across_ranks() -> None:
     n, m, k, world = 13, 4, 6, 3
     single = KRepeatSampler(n, m, k, seed=5)
-    ranks = [KRepeatSampler(n, m, k, world_size=world, rank=r, seed=5) for r in range(world)]
     for step in range(7):
-        idx, groups = single.step_samples(step)
+        idx, groups = single.global_step_samples(step)
         assert len(idx) == m * k
         counts = Counter(groups)
         assert sorted(counts) == list(range(m)) and set(counts.values()) == {k}
         for g, i in zip(groups, idx):  # a group is one prompt
             assert single.step_prompts(step)[g] == i
         assert len(set(single.step_prompts(step))) == m  # m <= n: no prompt twice in a step
-        parts = [r.step_samples(step) for r in ranks]
+        slices = [rank_slice(len(idx), world, r) for r in range(world)]
+        parts = [(idx[a : a + c], groups[a : a + c]) for a, c in slices]
         assert all(len(p[0]) == m * k // world for p in parts)
         assert sum((p[0] for p in parts), []) == idx and sum((p[1] for p in parts), []) == groups
         assert any(len(set(p[1])) > 1 for p in parts)  # groups are spread, not rank-aligned
     with pytest.raises(ValueError, match="must divide evenly over 5 ranks"):
-        KRepeatSampler(n, m, k, world_size=5, rank=0)
+        rank_slice(m * k, 5, 0)
 
 
 def test_k_repeat_epochs_cover_every_prompt_once() -> None:
@@ -107,34 +109,22 @@ def test_k_repeat_epochs_cover_every_prompt_once() -> None:
     # 13 prompts, m=4: 3 steps an epoch, the 13th of each epoch's shuffle waits for a later one
     odd = KRepeatSampler(13, 4, 2, seed=0)
     epochs = [[p for st in range(3 * e, 3 * e + 3) for p in odd.step_prompts(st)] for e in range(4)]
-    assert all(len(set(e)) == 12 for e in epochs) and odd.epoch_of(5) == 1
+    assert all(len(set(e)) == 12 for e in epochs)
     assert len({p for e in epochs for p in e}) == 13
     assert drawn != list(range(12))  # shuffled
     assert KRepeatSampler(12, 4, 2, seed=0, shuffle=False).step_prompts(1) == [4, 5, 6, 7]
     assert KRepeatSampler(12, 4, 2, seed=1).step_prompts(0) != s.step_prompts(0)
     big = KRepeatSampler(3, 5, 2, seed=0)  # m > n: a step spans epochs; 5 groups anyway
-    assert len(set(big.step_samples(0)[1])) == 5
+    assert len(set(big.global_step_samples(0)[1])) == 5
 
 
-def test_k_repeat_resume_mid_epoch() -> None:
-    straight = KRepeatSampler(10, 3, 4, world_size=2, rank=1, seed=7)
-    expected = [straight.next() for _ in range(8)]
-    first = KRepeatSampler(10, 3, 4, world_size=2, rank=1, seed=7)
-    got = [first.next() for _ in range(5)]  # step 5 is in the middle of epoch 1
-    state = json.loads(json.dumps(first.state_dict()))
-    resumed = KRepeatSampler(10, 3, 4, world_size=2, rank=1, seed=7)
+def test_k_repeat_draw_is_a_function_of_the_step_and_resume_checks_the_settings() -> None:
+    straight = KRepeatSampler(10, 3, 4, seed=7)
+    expected = [straight.global_step_samples(step) for step in range(8)]
+    state = json.loads(json.dumps(straight.state_dict()))
+    resumed = KRepeatSampler(10, 3, 4, seed=7)
     resumed.load_state_dict(state)
-    got += [next(resumed) for _ in range(3)]
-    assert got == expected
+    assert [resumed.global_step_samples(step) for step in range(5, 8)] == expected[5:]
     other = KRepeatSampler(10, 3, 4, seed=8)
     with pytest.raises(ValueError, match="seed was 7, now 8"):
         other.load_state_dict(state)
-
-
-def test_non_utf8_file_is_named_and_a_bom_is_dropped(tmp_path) -> None:
-    jl = tmp_path / "p.jsonl"
-    jl.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff"}\n')
-    with pytest.raises(ValueError, match=r"^.*p\.jsonl:2: not UTF-8 text \(byte 0xff\)"):
-        load_prompts(jl)
-    jl.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')  # UTF-8 with a BOM (Notepad)
-    assert load_prompts(jl).prompts == ["caf\u00e9"]

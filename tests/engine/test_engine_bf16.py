@@ -39,7 +39,7 @@ def test_bf16_engine_first_update_sees_ratio_one(dist1, mode):
     first optimizer step recomputes every log-prob exactly (approx_kl = clipfrac = 0)."""
     pipe = tiny_pipeline("sd3").to(dtype=torch.bfloat16)
     adapter = SD3Adapter(pipe, max_sequence_length=8)
-    cfg = tm.make_config(mode, micro_batch_size=4)
+    cfg = tm.make_config(mode, **{"update.micro_batch_size": 4})
     cfg.fsdp.param_dtype = "bf16"
     engine = DiffusersFSDPEngine(adapter, cfg)
     with torch.no_grad():
@@ -70,7 +70,7 @@ def test_engine_cfg_grad_setting_reaches_the_loss(dist1):
     grads, traj = {}, None
     for cfg_grad in ("both", "cond_only"):
         adapter = SD3Adapter(tiny_pipeline("sd3"), max_sequence_length=8)
-        engine = DiffusersFSDPEngine(adapter, tm.make_config("lora", cfg_grad=cfg_grad))
+        engine = DiffusersFSDPEngine(adapter, tm.make_config("lora", **{"loss.cfg_grad": cfg_grad}))
         if traj is None:
             with torch.no_grad():
                 traj = _rollout(adapter, engine.transformer)

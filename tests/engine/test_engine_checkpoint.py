@@ -24,7 +24,7 @@ def test_interrupted_save_leaves_previous_loadable(dist1, tiny_traj, tmp_path, m
     from flowgrpo.engine import DiffusersFSDPEngine
 
     traj, adv = tiny_traj.select([0, 1]), tm.ADVANTAGES[:2]
-    cfg = tm.make_config("clip", micro_batch_size=2)
+    cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
     engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
     engine.train_step(traj, adv)
     saved = tm.trainable(engine)
@@ -91,7 +91,7 @@ def test_tampered_checkpoint_is_refused_and_runs_nothing(dist1, tiny_traj, tmp_p
 
     from flowgrpo.engine import DiffusersFSDPEngine
 
-    cfg = tm.make_config("clip", micro_batch_size=2)
+    cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
     engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
     engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
     ckpt = save_checkpoint(engine, tmp_path / "ckpt", 1)
@@ -119,7 +119,7 @@ def test_tampered_dcp_entry_is_refused(dist1, tiny_traj, tmp_path):
     which its default planner loads with weights_only=False."""
     from flowgrpo.engine import DiffusersFSDPEngine
 
-    cfg = tm.make_config("clip", micro_batch_size=2)
+    cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
     engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
     engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
     marker = tmp_path / "pwned"
@@ -165,7 +165,7 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(dist1, tiny_tra
     from flowgrpo.errors import RunError
 
     traj, adv = tiny_traj.select([0, 1]), tm.ADVANTAGES[:2]
-    cfg = tm.make_config("clip", micro_batch_size=2)
+    cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
     engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
     engine.train_step(traj, adv)
     first = save_checkpoint(engine, tmp_path, 1, extra={"epoch": 1})
@@ -189,7 +189,9 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(dist1, tiny_tra
 def test_pruning_never_touches_another_runs_checkpoints(dist1, tiny_traj, tmp_path):
     from flowgrpo.engine import DiffusersFSDPEngine
 
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("clip", micro_batch_size=2))
+    engine = DiffusersFSDPEngine(
+        tm.TinyAdapter(), tm.make_config("clip", **{"update.micro_batch_size": 2})
+    )
     for step in (3, 4):
         save_checkpoint(engine, tmp_path, step, keep_last=1, run_id="old")
     for step in (1, 2):

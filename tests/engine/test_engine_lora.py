@@ -102,7 +102,9 @@ def test_lr_schedules():
 
 def test_non_finite_loss_skips_and_then_raises(dist1, tiny_traj):
     traj = tiny_traj.select([0, 1])
-    cfg = tm.make_config("clip", max_consecutive_skips=2, micro_batch_size=2)
+    cfg = tm.make_config(
+        "clip", **{"optim.max_consecutive_skips": 2}, **{"update.micro_batch_size": 2}
+    )
     engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
     before = tm.trainable(engine)
     metrics = engine.train_step(traj, torch.tensor([float("nan"), 1.0]))
@@ -121,7 +123,7 @@ def test_update_that_would_overflow_is_never_applied(dist1, tiny_traj, tmp_path)
     step would fail with "value cannot be converted to type float without overflow"): the
     step is skipped before it touches anything, and after max_consecutive_skips the run stops
     with one line naming the cause."""
-    cfg = tm.make_config("lora", max_consecutive_skips=2)
+    cfg = tm.make_config("lora", **{"optim.max_consecutive_skips": 2})
     cfg.optim.lr, cfg.optim.lr_schedule = 1e39, "constant"
     engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
     before = tm.trainable(engine)
@@ -247,7 +249,7 @@ def test_zero_advantage_samples_are_dropped(dist1, tiny_traj):
     runs = {
         "skip": (tiny_traj, adv, {}),
         "kept_only": (tiny_traj.select(kept), adv[kept], {}),
-        "no_skip": (tiny_traj, adv, {"skip_zero_advantage": False}),
+        "no_skip": (tiny_traj, adv, {"loss.skip_zero_advantage": False}),
     }
     params, metrics = {}, {}
     for name, (traj, a, over) in runs.items():

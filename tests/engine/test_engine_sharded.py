@@ -37,7 +37,7 @@ def runs(dist1, tiny_traj, work):
             "clip": tm.run_case("clip", tiny_traj, adv, 2, snapshots=(0, 1, 2)),
             "zero": tm.run_case("lora", tiny_traj, tm.ZERO_HALF, 2, snapshots=(2,)),
             "zero_mb2": tm.run_case(
-                "lora", tiny_traj, tm.ZERO_HALF, 2, snapshots=(2,), num_minibatches=2
+                "lora", tiny_traj, tm.ZERO_HALF, 2, snapshots=(2,), **{"update.num_minibatches": 2}
             ),
         }
     finally:

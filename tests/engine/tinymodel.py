@@ -101,7 +101,14 @@ ZERO_HALF = torch.tensor([1.0, -0.5, 0.0, 0.0])
 
 def make_config(case: str, **over):
     """Engine configs of the sharded/unsharded comparison cases."""
-    from flowgrpo.engine import EMAConfig, EngineConfig, LoraConfig, LossConfig, OptimConfig
+    from flowgrpo.engine import (
+        EMAConfig,
+        EngineConfig,
+        LoraConfig,
+        LossConfig,
+        OptimConfig,
+        UpdateConfig,
+    )
 
     lora = LoraConfig(enabled=case != "full", rank=4, alpha=8, init="gaussian")
     # clip_range 0.5 so later optimizer steps (ratio != 1) still carry gradient
@@ -114,7 +121,8 @@ def make_config(case: str, **over):
     if case == "lora":
         optim.lr_schedule, optim.warmup_steps, optim.total_steps = "cosine", 1, 6
     ema = EMAConfig(enabled=case == "lora", decay=0.9, update_every=1)
-    cfg = EngineConfig(lora=lora, optim=optim, loss=loss, ema=ema, micro_batch_size=2, seed=3)
+    update = UpdateConfig(micro_batch_size=2, num_minibatches=1)
+    cfg = EngineConfig(lora=lora, optim=optim, loss=loss, ema=ema, update=update, seed=3)
     for k, v in over.items():
         section, _, field = k.partition(".")
         setattr(getattr(cfg, section), field, v) if field else setattr(cfg, k, v)
@@ -225,7 +233,9 @@ def sharded_job(rank: int, world: int, port: int, workdir: str) -> None:
         "hsdp": run_case("clip", local, adv, 2, snapshots=(2,), **{"fsdp.replicate_degree": 2}),
         # zero-advantage samples dropped: rank 1 trains nothing but pads to keep FSDP in step
         "zero": run_case("lora", local, ZERO_HALF[rows], 2, snapshots=(2,)),
-        "zero_mb2": run_case("lora", local, ZERO_HALF[rows], 2, snapshots=(2,), num_minibatches=2),
+        "zero_mb2": run_case(
+            "lora", local, ZERO_HALF[rows], 2, snapshots=(2,), **{"update.num_minibatches": 2}
+        ),
     }
     from flowgrpo.engine import dist as fdist
 

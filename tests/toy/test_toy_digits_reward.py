@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from flowgrpo.rewards import build_reward
-from flowgrpo.rewards.digits import digits_judge, digits_reward, diversity
 from flowgrpo.toy.data import load_digits_data, to_unit
+from flowgrpo.toy.reward import digits_judge, digits_reward, diversity
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flowgrpo.models.registry import build_adapter
-from flowgrpo.models.toy import ToyAdapter, ToyDigitsPipeline, parse_digit, toy_pipeline
 from flowgrpo.rollout.sampler import sample_trajectories
+from flowgrpo.toy import ToyAdapter, ToyDigitsPipeline, parse_digit, toy_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +140,9 @@ def test_pretrain_smoke_writes_loadable_files(tmp_path):
         target=(0.0, 1.0),
     )
     assert pipe.info["pretrain_steps"] == 2 and len(pipe.info["history"]) == 1
-    loaded = ToyDigitsPipeline.from_files(
-        tmp_path / "toy_generator.safetensors", tmp_path / "toy_generator.json"
-    )
+    from flowgrpo.models.registry import load_pipeline
+
+    loaded = load_pipeline(tmp_path / "toy-digits")  # a pipeline directory like any model's
     assert loaded.info["pretrain_seed"] == 0
 
 

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from flowgrpo.trainer.logging import deterministic_view, read_jsonl
+from random_toy import random_toy_path
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 ARGS = [
     "toy-digits",
-    "model.pretrained=false",
+    f"model.path={random_toy_path()}",  # random init: independent of the shipped asset
     "sample.prompts_per_step=2",
     "sample.group_size=4",
     "sample.num_steps=4",  # 3 trained steps
@@ -29,7 +30,7 @@ ARGS = [
     "sample.rollout_batch_size=4",  # 2 chunks per step
     "data.eval_num_prompts=2",
     "data.eval_samples_per_prompt=2",
-    "train.micro_batch_size=4",  # 2 micro-batches x 3 steps = 6 losses per step
+    "update.micro_batch_size=4",  # 2 micro-batches x 3 steps = 6 losses per step
     "trainer.max_steps=4",
     "trainer.eval_every=2",
     "trainer.save_every=1",

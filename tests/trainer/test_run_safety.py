@@ -15,11 +15,12 @@ import torch
 
 from flowgrpo import cli
 from flowgrpo.trainer.logging import read_jsonl
+from random_toy import random_toy_path
 
 pytestmark = pytest.mark.slow
 
 SMALL = [
-    "model.pretrained=false",
+    f"model.path={random_toy_path()}",  # random init: independent of the shipped asset
     "sample.prompts_per_step=2",
     "sample.group_size=4",
     "sample.num_steps=4",
@@ -27,7 +28,7 @@ SMALL = [
     "sample.rollout_batch_size=4",
     "data.eval_num_prompts=2",
     "data.eval_samples_per_prompt=2",
-    "train.micro_batch_size=4",
+    "update.micro_batch_size=4",
     "trainer.eval_every=0",
     "run.progress_bar=false",
     "run.tensorboard=false",

@@ -22,11 +22,12 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.trainer.logging import deterministic_view, read_jsonl
+from random_toy import random_toy_path
 
 pytestmark = pytest.mark.slow
 
 SMALL = [
-    "model.pretrained=false",  # random init: independent of the shipped asset, same code path
+    f"model.path={random_toy_path()}",  # random init: independent of the shipped asset
     "sample.prompts_per_step=2",
     "sample.group_size=4",
     "sample.num_steps=4",
@@ -34,7 +35,7 @@ SMALL = [
     "sample.rollout_batch_size=4",  # 2 chunks per rank-step: exercises chunking
     "data.eval_num_prompts=2",
     "data.eval_samples_per_prompt=2",
-    "train.micro_batch_size=4",
+    "update.micro_batch_size=4",
     "trainer.eval_every=2",
     "trainer.save_every=2",
     "trainer.keep_last=2",
@@ -108,7 +109,7 @@ def test_two_step_run_writes_metrics_grids_curve_and_checkpoint(two_steps):
     assert ckpts == ["step_2"]
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
     state = json.loads((out / "checkpoints" / "step_2" / "trainer_state.json").read_text())
-    assert state["step"] == 2 and state["samples"] == 16 and state["sampler"]["step"] == 2
+    assert state["step"] == 2 and state["samples"] == 16 and state["sampler"]["seed"] == 0
     assert any((out / "tensorboard").iterdir())
 
 
@@ -260,8 +261,8 @@ def test_full_fine_tune_exports_the_whole_transformer(two_steps, tmp_path):
 
 
 def test_lora_run_exports_a_diffusers_loadable_lora(tmp_path):
-    from flowgrpo.models.toy import ToyAdapter, toy_pipeline
     from flowgrpo.rollout import sample_trajectories
+    from flowgrpo.toy import ToyAdapter, toy_pipeline
     from flowgrpo.trainer.flow_grpo import run_export_lora, run_sample
     from flowgrpo.trainer.setup import SAMPLE_SALT, generators
 
@@ -315,7 +316,7 @@ def test_gpu_preset_features_on_the_toy(tmp_path):
     feats = [
         *("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optim.lr=1e-2"),
         *("ema.enabled=true", "ema.update_every=1", "sample.guidance_scale=2.0"),
-        *("sample.window_size=2", "sample.window_hi=3", "train.num_minibatches=2"),
+        *("sample.window_size=2", "sample.window_hi=3", "update.num_minibatches=2"),
         "advantage.mode=advantage",
     ]
     out = tmp_path / "feats"

@@ -28,7 +28,23 @@ def test_flux_true_cfg_scale_reaches_the_adapter(tmp_path):
     assert adapter.true_cfg_scale == 2.0 and adapter.uses_cfg(3.5)
 
 
-def test_true_cfg_scale_on_another_family_is_a_clear_error():
+def test_family_options_on_another_family_are_a_clear_error():
     cfg = load_config(None, ["model.true_cfg_scale=2.0"])
-    with pytest.raises(ValueError, match="model.true_cfg_scale applies to FLUX pipelines only"):
+    with pytest.raises(ValueError, match="model.true_cfg_scale does not apply to ToyDigits"):
         build_adapter_for(cfg, CPU)
+    cfg = load_config(None, ["model.max_sequence_length=77"])
+    with pytest.raises(ValueError, match="model.max_sequence_length does not apply to ToyDigit"):
+        build_adapter_for(cfg, CPU)
+
+
+def test_the_toy_loads_like_any_model():
+    from flowgrpo.models.registry import load_pipeline, resolve_model_path
+    from flowgrpo.toy.pipeline import shipped_dir
+
+    assert resolve_model_path("builtin:toy-digits") == shipped_dir()
+    assert (shipped_dir() / "model_index.json").is_file()
+    adapter = build_adapter_for(load_config(None, []), CPU)
+    assert type(adapter).__name__ == "ToyAdapter"
+    assert type(load_pipeline("builtin:toy-digits")).__name__ == "ToyDigitsPipeline"
+    with pytest.raises(ValueError, match="no built-in pipeline 'toy'"):
+        resolve_model_path("builtin:toy")

@@ -13,7 +13,10 @@ from typing import NamedTuple
 
 import torch
 
+#: the step types ``sde_step_with_logprob`` takes
 SDE_TYPES = ("sde", "cps", "ode")
+#: the stochastic ones, which a rollout can record and train
+ROLLOUT_SDE_TYPES = ("sde", "cps")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 

@@ -1,27 +1,35 @@
-"""Run configuration: typed sections (schema.py), YAML presets (presets/*.yaml), ``key=value``
-overrides and validation. ``load_config(preset, overrides)`` is the entry point."""
+"""Run configuration: one dataclass per section (``schema``), presets and ``key=value``
+overrides (``loader``), the checks that need the disk (``validate``)."""
 
+from flowgrpo.config.loader import (
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    list_presets,
+    load_config,
+    preset_dict,
+)
 from flowgrpo.config.schema import (
     DEFAULT_PRESET,
     AdvantageConfig,
     Config,
-    ConfigError,
     DataConfig,
     ModelConfig,
-    RewardConfig,
     RunConfig,
     SampleConfig,
-    TrainConfig,
     TrainerConfig,
-    config_from_dict,
-    config_to_dict,
-    config_to_yaml,
-    engine_config,
-    list_presets,
-    load_config,
-    preset_dict,
-    validate,
 )
+from flowgrpo.config.validate import validate
+from flowgrpo.engine.config import (
+    EMAConfig,
+    FSDPConfig,
+    LoraConfig,
+    LossConfig,
+    OptimConfig,
+    UpdateConfig,
+)
+from flowgrpo.rewards.spec import RewardSpec
+from flowgrpo.settings import ConfigError
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -29,16 +37,20 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EMAConfig",
+    "FSDPConfig",
+    "LoraConfig",
+    "LossConfig",
     "ModelConfig",
-    "RewardConfig",
+    "OptimConfig",
+    "RewardSpec",
     "RunConfig",
     "SampleConfig",
-    "TrainConfig",
     "TrainerConfig",
+    "UpdateConfig",
     "config_from_dict",
     "config_to_dict",
     "config_to_yaml",
-    "engine_config",
     "list_presets",
     "load_config",
     "preset_dict",

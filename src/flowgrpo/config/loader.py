@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import functools
 import importlib.resources
-import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -22,9 +21,13 @@ from typing import Any, Union
 
 import yaml
 
-from flowgrpo.config.schema import DEFAULT_PRESET, Config, ConfigError, RewardConfig
+from flowgrpo.config.schema import DEFAULT_PRESET, Config
+from flowgrpo.config.validate import validate
+from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
+from flowgrpo.settings import ConfigError
 
 ALIASES = {"resume": "trainer.resume"}  # contract 7: `flowgrpo train resume=auto`
+REWARD_LISTS = ("reward", "eval_reward")  # list-of-RewardSpec keys, entries named by label
 _NONE_TYPE = type(None)
 _MISSING = object()
 
@@ -82,7 +85,8 @@ def valid_keys() -> tuple[str, ...]:
                 walk(tp, prefix + name + ".")
 
     walk(Config, "")
-    out += [f"reward.NAME.{f}" for f in _hints(RewardConfig)]
+    for key in REWARD_LISTS:
+        out += [f"{key}.NAME.{f}" for f in _hints(RewardSpec)]
     return tuple(out)
 
 
@@ -126,8 +130,8 @@ def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
 def _coerce(value: Any, tp: Any, key: str, current: Any = _MISSING, origin: str = "") -> Any:
     """``value`` checked/converted to annotation ``tp``; dataclass sections merge a mapping
     into ``current``. Raises ConfigError naming ``key``."""
-    if key == "reward":
-        return parse_rewards(value, key, origin)
+    if key in REWARD_LISTS:
+        return parse_reward_specs(value, key)
     args = _union_args(tp)
     if args:
         if _NONE_TYPE in args and (
@@ -197,95 +201,29 @@ def apply_mapping(obj: Any, mapping: Mapping, prefix: str = "", origin: str = ""
     for k, v in mapping.items():
         here = f"{prefix}{k}"
         if k not in hints:
-            local = [prefix + h for h in hints] if prefix.startswith("reward") else None
+            local = [prefix + h for h in hints] if prefix.startswith(REWARD_LISTS) else None
             raise unknown_key(here, origin, local)
         setattr(obj, k, _coerce(v, hints[k], here, getattr(obj, k), origin))
 
 
-# -- rewards -----------------------------------------------------------------------------------
+# -- rewards ----------------------------------------------------------------------------------
 
 
-def _reward_from_str(text: str, key: str = "reward") -> RewardConfig:
-    """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5' -> RewardConfig. A tail that parses
-    as a non-finite float ('digits:nan', 'mymod:inf') is an error, not a weight nor a name."""
-    name, sep, tail = text.rpartition(":")
-    if sep and name:
-        try:
-            weight = float(tail)
-        except ValueError:
-            return RewardConfig(name=text.strip())
-        if not math.isfinite(weight):
-            tail = tail.strip()
-            hint = (
-                f" (for a function named {tail!r} give a weight: {text.strip()}:1.0)"
-                if tail.isidentifier()
-                else ""
-            )
-            raise ConfigError(
-                f"config key {key!r}: weight of reward {name.strip()!r} must be a finite number, "
-                f"got {tail!r}{hint}"
-            )
-        return RewardConfig(name=name.strip(), weight=weight)
-    return RewardConfig(name=text.strip())
-
-
-def parse_rewards(value: Any, key: str = "reward", origin: str = "") -> list[RewardConfig]:
-    """The reward list from ``"ocr:1.0,jpeg_compressibility:0.1"``, ``{"ocr": 1.0}``, a
-    mapping with ``name``, or a list of names / mappings / RewardConfigs."""
-    if isinstance(value, str):
-        items: list[Any] = [s for s in (p.strip() for p in value.split(",")) if s]
-    elif isinstance(value, Mapping) and "name" not in value:
-        items = [
-            {"name": k, **v} if isinstance(v, Mapping) else {"name": k, "weight": v}
-            for k, v in value.items()
-        ]
-    elif isinstance(value, (Mapping, RewardConfig)):
-        items = [value]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ConfigError(
-            f"config key {key!r} expects reward names like 'ocr' or 'ocr:1.0,"
-            f"jpeg_compressibility:0.1' or a list of {{name, weight, options}}, got {_show(value)}"
-        )
-    out = []
-    for i, item in enumerate(items):
-        here = f"{key}[{i}]"
-        if isinstance(item, RewardConfig):
-            out.append(copy.deepcopy(item))
-        elif isinstance(item, str):
-            out.append(_reward_from_str(item, here))
-        elif isinstance(item, Mapping) and "name" not in item and len(item) == 1:
-            ((name, weight),) = item.items()
-            out.append(RewardConfig(name=str(name), weight=_coerce(weight, float, here)))
-        elif isinstance(item, Mapping):
-            if "name" not in item:
-                raise ConfigError(f"config key {here!r} needs a 'name', got {_show(dict(item))}")
-            rc = RewardConfig(name=str(item["name"]))
-            apply_mapping(rc, item, here + ".", origin)
-            out.append(rc)
-        else:
-            raise ConfigError(f"config key {here!r} expects a reward name or mapping, got {item!r}")
-    if not out:
-        raise ConfigError(f"config key {key!r} must name at least one reward")
-    return out
-
-
-def _select_reward(rewards: list[RewardConfig], sel: str) -> RewardConfig:
+def _select_reward(rewards: list[RewardSpec], sel: str, key: str = "reward") -> RewardSpec:
+    """The entry of a reward list named ``sel``: its label (or registry name / import path),
+    or its index."""
     if sel.lstrip("-").isdigit():
         i = int(sel)
         if not 0 <= i < len(rewards):
-            raise ConfigError(
-                f"config key 'reward.{sel}': index out of range 0..{len(rewards) - 1}"
-            )
+            raise ConfigError(f"config key '{key}.{sel}': index out of range 0..{len(rewards) - 1}")
         return rewards[i]
     for r in rewards:
-        if sel in (r.name, r.alias):
+        if sel in (r.label, r.name):
             return r
-    names = [r.alias or r.name for r in rewards]
+    names = [r.label for r in rewards]
     raise ConfigError(
-        f"config key 'reward.{sel}': no reward {sel!r} in the reward list {names}; "
-        "set the list first, e.g. reward=ocr,jpeg_compressibility:0.1"
+        f"config key '{key}.{sel}': no reward {sel!r} in the reward list {names}; "
+        f"set the list first, e.g. {key}=ocr,jpeg_compressibility:0.1"
     )
 
 
@@ -321,7 +259,7 @@ def apply_override(cfg: Config, text: str) -> None:
         hints = _hints(type(obj))
         here = prefix + name
         if name not in hints:
-            local = [prefix + h for h in hints] if prefix.startswith("reward.") else None
+            local = [prefix + h for h in hints] if prefix.startswith(REWARD_LISTS) else None
             raise unknown_key(key if local is None else here, candidates=local)
         tp, current = hints[name], getattr(obj, name)
         if last:
@@ -331,9 +269,11 @@ def apply_override(cfg: Config, text: str) -> None:
             return
         if is_dataclass(current):
             obj, prefix, i = current, here + ".", i + 1
-        elif here == "reward":
+        elif here in REWARD_LISTS:
+            if i + 1 == len(parts):
+                raise unknown_key(key)
             sel = parts[i + 1]
-            obj, prefix, i = _select_reward(current, sel), f"reward.{sel}.", i + 2
+            obj, prefix, i = _select_reward(current, sel, here), f"{here}.{sel}.", i + 2
             if i == len(parts):
                 raise ConfigError(
                     f"config key {key!r} names a reward, not a field: use {key}.weight=... "
@@ -381,7 +321,7 @@ def _read_yaml(text: str, origin: str) -> dict:
 def _deep_merge(base: dict, top: Mapping) -> dict:
     out = dict(base)
     for k, v in top.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "reward":
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k not in REWARD_LISTS:
             out[k] = _deep_merge(out[k], v)
         else:
             out[k] = v
@@ -430,10 +370,17 @@ def preset_dict(name: str, _seen: tuple[str, ...] = (), _via: str = "") -> tuple
 
 
 def resolve_defaults(cfg: Config) -> Config:
-    """Fill the derived values: ``eval_guidance_scale`` null -> ``guidance_scale``;
-    ``{preset}`` in ``run.output_dir`` -> the preset name."""
+    """Fill the derived values, once, where they live: ``eval_guidance_scale`` null ->
+    ``guidance_scale``; ``fsdp.param_dtype`` auto -> ``model.dtype`` when that is explicit;
+    a cosine schedule's ``optim.total_steps`` 0 -> ``trainer.max_steps`` x
+    ``update.num_minibatches``; ``{preset}`` in ``run.output_dir`` -> the preset name."""
     if cfg.sample.eval_guidance_scale is None:
         cfg.sample.eval_guidance_scale = cfg.sample.guidance_scale
+    if cfg.fsdp.param_dtype == "auto" and cfg.model.dtype != "auto":
+        cfg.fsdp.param_dtype = cfg.model.dtype
+    o = cfg.optim
+    if o.lr_schedule == "cosine" and o.total_steps == 0:
+        o.total_steps = cfg.trainer.max_steps * cfg.update.num_minibatches
     if "{preset}" in cfg.run.output_dir:
         cfg.run.output_dir = cfg.run.output_dir.replace("{preset}", cfg.preset or "custom")
     return cfg
@@ -452,8 +399,6 @@ def load_config(
     prompt files readable): ``flowgrpo config show`` and ``--help`` use it. ``command``
     ("train", "eval", "sample", "export") limits those checks to what the command reads.
     """
-    from flowgrpo.config.validate import validate
-
     data, label = preset_dict(preset or DEFAULT_PRESET)
     cfg = Config()
     apply_mapping(cfg, data, "", label if Path(label).suffix else f"preset {label!r}")
@@ -506,14 +451,12 @@ def config_to_yaml(cfg: Config) -> str:
     return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, width=100)
 
 
-def config_from_dict(data: Mapping[str, Any], *, validate: bool = False) -> Config:
+def config_from_dict(data: Mapping[str, Any], *, check: bool = False) -> Config:
     """A Config from a (possibly partial) nested dict over the defaults; no preset applied."""
     cfg = Config()
     apply_mapping(cfg, data)
-    if validate:
-        from flowgrpo.config.validate import validate as _validate
-
-        _validate(cfg, check_paths=False)
+    if check:
+        validate(cfg, check_paths=False)
     return cfg
 
 
@@ -526,7 +469,6 @@ __all__ = [
     "config_to_yaml",
     "list_presets",
     "load_config",
-    "parse_rewards",
     "preset_dict",
     "resolve_defaults",
     "unknown_key",

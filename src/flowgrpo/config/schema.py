@@ -1,55 +1,70 @@
-"""Typed run configuration: one dataclass per section, YAML presets, ``key=value`` overrides.
+"""The run configuration: one dataclass per section, each setting declared once.
 
-``load_config("sd3-ocr", ["model.path=/models/sd35", "trainer.max_steps=100"])`` starts from the
-dataclass defaults, applies the preset (``config/presets/<name>.yaml`` or a YAML file path),
-then the overrides, and validates. Every problem is a ``ConfigError`` (a ValueError) with one
-line naming the key. The engine's sections (lora, optim, loss, fsdp, ema) are its own
-dataclasses; ``engine_config(cfg)`` assembles its ``EngineConfig``. Parsing lives in
-``loader.py``, range checks in ``validate.py``; this module holds the types.
+Every field is a ``flowgrpo.settings.setting``: its default, its one-line help (the docs table
+and ``flowgrpo config show`` print it) and its range check live together; rules that tie
+fields together are the section's ``check()``. The engine's sections (``lora``, ``optim``,
+``loss``, ``fsdp``, ``ema``, ``update``) are declared in ``flowgrpo.engine.config`` and read
+by the engine from this config directly. Parsing is ``loader.py``; checks that need the disk
+are ``validate.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
 from flowgrpo.engine.config import (
+    DTYPES,
     EMAConfig,
-    EngineConfig,
     FSDPConfig,
     LoraConfig,
     LossConfig,
     OptimConfig,
+    UpdateConfig,
+)
+from flowgrpo.rewards.spec import RewardSpec, check_labels
+from flowgrpo.settings import (
+    ConfigError,
+    between,
+    ge,
+    need,
+    one_of,
+    optional,
+    setting,
 )
 
 DEFAULT_PRESET = "toy-digits"
-MODEL_KINDS = ("auto", "toy", "qwen_image", "sd3", "flux")
-DTYPES = ("auto", "fp32", "bf16", "fp16")
-SDE_TYPES = ("sde", "cps")
-CFG_GRAD_MODES = ("both", "cond_only")
 REWARD_MODES = ("weighted_sum", "advantage")
 WANDB_MODES = ("offline", "online", "disabled")
-LR_SCHEDULES = ("constant", "cosine")
-
-
-class ConfigError(ValueError):
-    """A bad configuration: one line naming the key, what is allowed and what was given."""
 
 
 @dataclass
 class ModelConfig:
-    """Which pipeline to load. ``path`` is a local diffusers directory (required except for
-    the toy, where it is unused); ``kind`` "auto" detects the family from the pipeline class.
-    ``max_sequence_length``: text tokens per prompt (null = the pipeline's default)."""
+    """Which pipeline to load, in which dtype, at which size."""
 
-    path: str | None = None
-    kind: str = "auto"
-    dtype: str = "auto"
-    height: int = 512
-    width: int = 512
-    true_cfg_scale: float = 1.0
-    max_sequence_length: int | None = None
-    pretrained: bool = True
+    path: str | None = setting(
+        None,
+        "Local diffusers pipeline directory of the base model, or a built-in one "
+        "(`builtin:toy-digits`). Required.",
+    )
+    dtype: str = setting(
+        "auto",
+        "Weights dtype: `auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`, `fp16`.",
+        check=one_of(*DTYPES),
+    )
+    height: int = setting(512, "Image height in pixels (8 for the toy).", check=ge(1))
+    width: int = setting(512, "Image width in pixels.", check=ge(1))
+    true_cfg_scale: float = setting(
+        1.0,
+        "FLUX only: true CFG with the negative prompt when > 1 (1 = off).",
+        check=ge(1, " (1 = off)"),
+    )
+    max_sequence_length: int | None = setting(
+        None,
+        "Text tokens per prompt (T5 / Qwen); null = the pipeline's default (SD3 256, FLUX 512, "
+        "Qwen-Image 512).",
+        check=optional(ge(1)),
+    )
 
 
 @dataclass
@@ -57,121 +72,235 @@ class SampleConfig:
     """Rollout (SDE, training) and eval (ODE) sampling, and the group structure: each step draws
     ``prompts_per_step`` prompts (m, global) and samples each ``group_size`` times (K)."""
 
-    num_steps: int = 10
-    eval_num_steps: int = 40
-    guidance_scale: float = 4.5
-    eval_guidance_scale: float | None = None
-    noise_level: float = 0.7
-    sde_type: str = "sde"
-    window_size: int = 0
-    window_lo: int = 0
-    window_hi: int | None = None
-    timestep_fraction: float = 1.0
-    deterministic_last_step: bool = True
-    prompts_per_step: int = 8
-    group_size: int = 16
-    rollout_batch_size: int = 8
-    negative_prompt: str = ""
-    use_ema_for_rollout: bool = False
+    num_steps: int = setting(10, "Denoising steps of a training rollout.", check=ge(1))
+    eval_num_steps: int = setting(
+        40, "Denoising steps of eval and `flowgrpo sample` (ODE sampler).", check=ge(1)
+    )
+    guidance_scale: float = setting(
+        4.5,
+        "CFG scale of rollouts (1 = no CFG; FLUX.1-dev: the distilled guidance embedding; "
+        "Qwen-Image: true CFG).",
+        check=ge(0, " (1 = no CFG)"),
+    )
+    eval_guidance_scale: float | None = setting(
+        None, "CFG scale of eval; null = `guidance_scale`.", check=optional(ge(0))
+    )
+    noise_level: float = setting(
+        0.7,
+        "SDE noise level *a* (0 = deterministic Euler; `cps`: in [0, 1]).",
+        check=ge(0),
+    )
+    sde_type: str = setting(
+        "sde",
+        "Stochastic sampler of rollouts: `sde` (Flow-GRPO) or `cps` (coefficients-preserving).",
+        check=one_of(*ROLLOUT_SDE_TYPES),
+    )
+    window_size: int = setting(
+        0,
+        "Flow-GRPO-Fast SDE window: SDE (trained) on this many consecutive steps, ODE "
+        "elsewhere; 0 = no window.",
+        check=ge(0, " (0 = no window)"),
+    )
+    window_lo: int = setting(0, "First step the window may start at.", check=ge(0))
+    window_hi: int | None = setting(
+        None, "Window end bound (exclusive); null = the last stochastic step + 1."
+    )
+    timestep_fraction: float = setting(
+        1.0,
+        "Without a window: train the first fraction of the stochastic steps.",
+        check=between(0, 1, lo_open=True),
+    )
+    deterministic_last_step: bool = setting(
+        True, "Keep the last step (sigma_next = 0) deterministic and untrained."
+    )
+    prompts_per_step: int = setting(8, "m: prompts drawn per step, over all ranks.", check=ge(1))
+    group_size: int = setting(
+        16,
+        "K: samples per prompt (a group); advantages compare within groups.",
+        check=ge(2, " (a group compares samples)"),
+    )
+    rollout_batch_size: int = setting(
+        8, "Samples per rollout forward chunk, per rank.", check=ge(1)
+    )
+    negative_prompt: str = setting("", 'Negative prompt for CFG (Qwen-Image uses " ").')
+    use_ema_for_rollout: bool = setting(
+        False, "Sample rollouts with the EMA weights (needs `ema.enabled`)."
+    )
+
+    def stochastic_steps(self) -> int:
+        """Steps that can be SDE (trained) steps: num_steps, minus the deterministic last one."""
+        return self.num_steps - (1 if self.deterministic_last_step else 0)
+
+    def check(self) -> None:
+        if self.deterministic_last_step:
+            need(self.num_steps >= 2, "sample.num_steps", ">= 2 with deterministic_last_step", 1)
+        elif self.sde_type == "sde" and self.noise_level > 0:  # one step starts at sigma = 1
+            # with no second sigma to stand in: the 'sde' noise scale sigma / (1 - sigma) is inf
+            n = self.num_steps
+            need(n >= 2, "sample.num_steps", ">= 2 with sde_type 'sde'", n)
+        if self.sde_type == "cps":
+            need(
+                self.noise_level <= 1,
+                "sample.noise_level",
+                "in [0, 1] for sde_type 'cps'",
+                self.noise_level,
+            )
+        if self.window_size > 0:
+            avail = self.stochastic_steps()
+            hi = avail if self.window_hi is None else self.window_hi
+            last = " - 1 with deterministic_last_step" if self.deterministic_last_step else ""
+            need(hi <= avail, "sample.window_hi", f"<= {avail} (num_steps{last}) or null", hi)
+            need(
+                self.window_lo + self.window_size <= hi,
+                "sample.window_size",
+                f"<= {hi - self.window_lo} (window_hi {hi} - window_lo {self.window_lo}: the "
+                f"window must fit in the {avail} stochastic steps)",
+                self.window_size,
+            )
 
 
 @dataclass
 class DataConfig:
-    """Prompt files (.txt / .jsonl / .parquet) and the eval split."""
+    """Prompt files (.txt / .jsonl / .parquet, or a built-in set) and the eval split."""
 
-    train_prompts: str | None = None
-    eval_prompts: str | None = None
-    eval_fraction: float = 0.0
-    eval_num_prompts: int = 0
-    eval_samples_per_prompt: int = 1
-    shuffle: bool = True
-
-
-@dataclass
-class RewardConfig:
-    """One reward: registry name or ``package.module:function``, its weight and options.
-    ``key_weights`` weights the entries of a dict-returning reward; ``alias`` names it in logs."""
-
-    name: str = "digits"
-    weight: float = 1.0
-    options: dict[str, Any] = field(default_factory=dict)
-    key_weights: dict[str, float] | None = None
-    alias: str | None = None
+    train_prompts: str | None = setting(
+        None,
+        "Training prompts: .txt (a prompt a line), .jsonl (`prompt` + metadata), .parquet, or "
+        "a built-in set (`builtin:digits`). Required.",
+    )
+    eval_prompts: str | None = setting(
+        None,
+        "Eval prompts file; null = hold out `eval_fraction` of the train prompts, or eval on them.",
+    )
+    eval_fraction: float = setting(
+        0.0,
+        "Fraction of the train prompts held out for eval when `eval_prompts` is null (0 = eval "
+        "on the train prompts).",
+        check=between(0, 1, hi_open=True),
+    )
+    eval_num_prompts: int = setting(
+        0, "Use only the first N eval prompts (0 = all).", check=ge(0, " (0 = all)")
+    )
+    eval_samples_per_prompt: int = setting(
+        1, "Eval images per eval prompt (fixed noise).", check=ge(1)
+    )
+    shuffle: bool = setting(True, "Shuffle the prompt order each epoch (seeded).")
 
 
 @dataclass
 class AdvantageConfig:
-    """How rewards become advantages: ``mode`` "weighted_sum" (sum rewards, then normalise per
-    group) or "advantage" (normalise each reward, then sum); std over the whole global batch
-    (``global_std``) or per group; ``async_reward`` scores rewards in a background thread."""
+    """How rewards become advantages."""
 
-    mode: str = "weighted_sum"
-    global_std: bool = True
-    async_reward: bool = False
-
-
-@dataclass
-class TrainConfig:
-    """Policy update per rollout: ``num_minibatches`` optimizer steps, each accumulating
-    micro-batches of ``micro_batch_size`` samples over all trained timesteps.
-    ``skip_zero_advantage`` drops samples whose advantage is exactly 0 first (flow_grpo does);
-    ``cfg_grad`` "both" differentiates both guidance branches (exact), "cond_only" only the
-    conditional one (cheaper, biased: the original Flow-GRPO paper's form; opt-in)."""
-
-    micro_batch_size: int = 4
-    num_minibatches: int = 2
-    max_consecutive_skips: int = 3
-    skip_zero_advantage: bool = True
-    cfg_grad: str = "both"
+    mode: str = setting(
+        "weighted_sum",
+        "`weighted_sum` (sum rewards, then normalise per group) or `advantage` (normalise "
+        "each reward, then sum).",
+        check=one_of(*REWARD_MODES),
+    )
+    global_std: bool = setting(
+        True, "Divide by the std of the whole global batch (true) or of the group (false)."
+    )
+    async_reward: bool = setting(
+        False, "Score rewards in a background thread, overlapping the next rollout chunk."
+    )
 
 
 @dataclass
 class TrainerConfig:
-    """Loop length, eval/checkpoint cadence and resume ("auto" = newest complete checkpoint
-    under ``run.output_dir``; a path = that checkpoint; null = fresh run)."""
+    """Loop length, eval/checkpoint cadence and resume."""
 
-    max_steps: int = 1000
-    eval_every: int = 50
-    save_every: int = 50
-    keep_last: int = 2
-    resume: str | None = None
-    log_every: int = 1
+    max_steps: int = setting(1000, "Training steps (one rollout + update each).", check=ge(1))
+    eval_every: int = setting(
+        50,
+        "Evaluate every N steps (and at step 0 and the last step; 0 = only those).",
+        check=ge(0, " (0 = the last step only)"),
+    )
+    save_every: int = setting(
+        50,
+        "Checkpoint every N steps (and at the last step; 0 = only the last).",
+        check=ge(0, " (0 = the last step only)"),
+    )
+    keep_last: int = setting(2, "Checkpoints kept on disk.", check=ge(1))
+    resume: str | None = setting(
+        None,
+        "`auto` = newest complete checkpoint in `run.output_dir`, a path = that checkpoint, "
+        "null = fresh run. Also settable as `resume=...`.",
+    )
+    log_every: int = setting(
+        1,
+        "Print a progress line every N steps (metrics.jsonl gets every step).",
+        check=ge(1),
+    )
 
 
 @dataclass
 class RunConfig:
-    """Where and how to log. ``{preset}`` in ``output_dir`` becomes the preset's name.
-    ``overwrite`` lets a fresh run reuse a folder that holds another run (deleting that
-    run's outputs); ``debug`` prints tracebacks with errors."""
+    """Where and how to log."""
 
-    output_dir: str = "runs/{preset}"
-    name: str | None = None
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "flowgrpo"
-    wandb_mode: str = "offline"
-    progress_bar: bool = True
-    num_threads: int = 0
-    overwrite: bool = False
-    debug: bool = False
+    output_dir: str = setting(
+        "runs/{preset}",
+        "Run folder: metrics.jsonl, checkpoints/, grids, reward_curve.png (`{preset}` becomes "
+        "the preset's name).",
+        check=("a directory path", bool),
+    )
+    name: str | None = setting(None, "Run name for tensorboard / wandb (null = the folder name).")
+    tensorboard: bool = setting(True, "Write tensorboard scalars and image grids.")
+    wandb: bool = setting(False, "Log to Weights & Biases.")
+    wandb_project: str = setting("flowgrpo", "wandb project.")
+    wandb_mode: str = setting(
+        "offline",
+        "`offline` (no network), `online` or `disabled`.",
+        check=one_of(*WANDB_MODES),
+    )
+    progress_bar: bool = setting(True, "Show a progress bar with step, reward and ETA.")
+    num_threads: int = setting(
+        0,
+        "CPU threads per process for torch (0 = torch's default). Tiny models run faster on 1 "
+        "thread than on 2: thread start-up costs more than the work.",
+        check=ge(0, " (0 = torch's default)"),
+    )
+    overwrite: bool = setting(
+        False,
+        "Start a fresh run in a folder that holds another run's checkpoints or metrics, "
+        "deleting those outputs first (without it, such a folder is refused).",
+    )
+    debug: bool = setting(
+        False, "Print the full traceback with an error (also FLOWGRPO_TRACEBACK=1)."
+    )
 
 
-def _default_rewards() -> list[RewardConfig]:
-    return [RewardConfig()]
+def _default_rewards() -> list[RewardSpec]:
+    return [RewardSpec()]
 
 
 @dataclass
 class Config:
-    """The whole run. ``preset`` records where it came from (informational)."""
+    """The whole run."""
 
-    seed: int = 0
-    preset: str | None = None
+    seed: int = setting(
+        0,
+        "Seed of everything: prompt order, rollout noise (per sample), eval noise, init.",
+        check=ge(0),
+    )
+    preset: str | None = setting(
+        None, "Where the config came from (set by load_config; informational)."
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    reward: list[RewardConfig] = field(default_factory=_default_rewards)
+    reward: list[RewardSpec] = setting(
+        help="The rewards: `reward=ocr`, `reward=ocr:1.0,jpeg_compressibility:0.1`, or a YAML "
+        "list of {name, weight, options}.",
+        default_factory=_default_rewards,
+    )
+    eval_reward: list[RewardSpec] = setting(
+        help="Scores computed at eval only, on the whole eval set at once (e.g. the toy's "
+        "`digits_eval`: accuracy, judge accuracy, diversity); each entry is logged as "
+        "`eval/<entry>`, outside `eval/reward_mean`.",
+        default_factory=list,
+    )
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -180,74 +309,24 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def check(self) -> None:
+        """Rules across sections."""
+        need(len(self.reward) >= 1, "reward", "a non-empty list", self.reward)
+        check_labels(self.reward, "reward")
+        check_labels(self.eval_reward, "eval_reward")
+        if self.sample.use_ema_for_rollout:
+            e = self.ema.enabled
+            need(e, "ema.enabled", "true with sample.use_ema_for_rollout=true", e)
 
-def engine_config(cfg: Config) -> EngineConfig:
-    """The engine's settings from a Config (copies; the Config is not modified).
-
-    ``fsdp.param_dtype`` "auto" follows ``model.dtype`` when that is explicit; a cosine
-    schedule with ``optim.total_steps`` 0 runs over ``trainer.max_steps * train.num_minibatches``
-    optimizer steps.
-    """
-    from dataclasses import replace
-
-    fsdp = replace(cfg.fsdp)
-    if fsdp.param_dtype == "auto" and cfg.model.dtype != "auto":
-        fsdp.param_dtype = cfg.model.dtype
-    optim = replace(cfg.optim, betas=tuple(cfg.optim.betas))
-    if optim.lr_schedule == "cosine" and optim.total_steps == 0:
-        optim.total_steps = cfg.trainer.max_steps * cfg.train.num_minibatches
-    lora = replace(cfg.lora)
-    if isinstance(lora.target_modules, list):
-        lora.target_modules = list(lora.target_modules)
-    return EngineConfig(
-        lora=lora,
-        optim=optim,
-        loss=replace(cfg.loss),
-        fsdp=fsdp,
-        ema=replace(cfg.ema),
-        micro_batch_size=cfg.train.micro_batch_size,
-        num_minibatches=cfg.train.num_minibatches,
-        max_consecutive_skips=cfg.train.max_consecutive_skips,
-        skip_zero_advantage=cfg.train.skip_zero_advantage,
-        cfg_grad=cfg.train.cfg_grad,
-        seed=cfg.seed,
-    )
-
-
-# The parsing half (load_config & co.) is re-exported here: ``loader`` imports this module's
-# types first, so the import at the bottom is not circular.
-from flowgrpo.config.loader import (  # noqa: E402
-    config_from_dict,
-    config_to_dict,
-    config_to_yaml,
-    list_presets,
-    load_config,
-    preset_dict,
-)
-from flowgrpo.config.validate import validate  # noqa: E402
 
 __all__ = [
     "AdvantageConfig",
     "Config",
     "ConfigError",
     "DataConfig",
-    "EMAConfig",
-    "FSDPConfig",
-    "LoraConfig",
-    "LossConfig",
+    "DEFAULT_PRESET",
     "ModelConfig",
-    "OptimConfig",
-    "RewardConfig",
     "RunConfig",
     "SampleConfig",
-    "TrainConfig",
     "TrainerConfig",
-    "config_from_dict",
-    "config_to_dict",
-    "config_to_yaml",
-    "engine_config",
-    "list_presets",
-    "load_config",
-    "preset_dict",
-    "validate",
 ]

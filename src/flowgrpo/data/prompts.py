@@ -2,11 +2,12 @@
 
 Files: ``.txt`` (one prompt a line, blank lines skipped), ``.jsonl`` (a ``prompt`` field; every
 other field goes to the prompt's metadata dict, which rewards receive, e.g. an OCR target) and
-``.parquet`` (same columns; needs pyarrow). ``digit_prompts()`` is the toy's built-in set.
+``.parquet`` (same columns; needs pyarrow); ``builtin:NAME`` names a set shipped in the package
+(``builtin:digits``, the toy's).
 
 ``KRepeatSampler``: each step draws m prompts (epoch-wise shuffles without replacement), repeats
-each K times (a group), shuffles the m*K samples and gives rank r its contiguous slice. A step's
-draw is a pure function of (seed, step), so resuming only needs the step number.
+each K times (a group) and shuffles the m*K samples; ``rank_slice`` gives rank r its contiguous
+slice. A step's draw is a pure function of (seed, step), so resuming only needs the step.
 """
 
 from __future__ import annotations
@@ -60,11 +61,21 @@ class PromptDataset:
         return PromptDataset(p, m, self.source, [self.locations[i] for i in indices])
 
 
-def digit_prompts() -> PromptDataset:
-    """The toy's prompts: "a handwritten 0" ... "a handwritten 9", metadata {"digit": d}."""
-    return PromptDataset(
-        [f"a handwritten {d}" for d in range(10)], [{"digit": d} for d in range(10)], "digits"
-    )
+#: prompt sets shipped in the package: ``builtin:NAME`` -> a function returning the dataset
+#: (import paths as strings: nothing below the toy package imports it)
+BUILTIN_PROMPTS: dict[str, str] = {"digits": "flowgrpo.toy.data:digit_prompt_set"}
+BUILTIN = "builtin:"
+
+
+def builtin_prompts(name: str) -> PromptDataset:
+    """The shipped prompt set ``name`` (ValueError listing the known ones otherwise)."""
+    import importlib
+
+    if name not in BUILTIN_PROMPTS:
+        known = ", ".join(BUILTIN + n for n in BUILTIN_PROMPTS)
+        raise ValueError(f"no built-in prompt set {BUILTIN + name!r}; built-in: {known}")
+    module, _, attr = BUILTIN_PROMPTS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)()
 
 
 def read_text(path: str | Path) -> str:
@@ -128,6 +139,8 @@ def load_prompts(path: str | Path) -> PromptDataset:
     Raises FileNotFoundError for a missing file, ValueError (naming file and line) for an
     empty file, text that is not UTF-8, a bad JSON line or a row without a ``prompt``.
     """
+    if str(path).startswith(BUILTIN):
+        return builtin_prompts(str(path)[len(BUILTIN) :])
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -167,10 +180,11 @@ def split_dataset(
 
 def prompt_splits(data: Any, seed: int = 0) -> tuple[PromptDataset, PromptDataset]:
     """(train, eval) datasets for a ``DataConfig``-like object (train_prompts, eval_prompts,
-    eval_fraction, eval_num_prompts). ``train_prompts`` None = the built-in digit prompts.
-    Eval: ``eval_prompts`` if given, else a held-out ``eval_fraction``, else the train
+    eval_fraction, eval_num_prompts). Eval: ``eval_prompts`` if given, else a held-out ``eval_fraction``, else the train
     prompts; then the first ``eval_num_prompts`` (0 = all)."""
-    train = load_prompts(data.train_prompts) if data.train_prompts else digit_prompts()
+    if not data.train_prompts:
+        raise ValueError("data.train_prompts is required: a prompt file or a built-in set")
+    train = load_prompts(data.train_prompts)
     if data.eval_prompts:
         ev = load_prompts(data.eval_prompts)
     else:
@@ -187,16 +201,28 @@ def repeat_for_eval(ds: PromptDataset, samples_per_prompt: int) -> PromptDataset
     return ds.subset(idx)
 
 
-class KRepeatSampler:
-    """m prompts x K samples per step, spread over ``world_size`` ranks.
+def rank_slice(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(start, count): rank ``rank``'s equal, contiguous share of a step's ``n`` samples;
+    ValueError when ``n`` does not divide over the ranks."""
+    if n % world_size:
+        raise ValueError(
+            f"the global batch (sample.prompts_per_step x sample.group_size = {n} images per "
+            f"step) must divide evenly over {world_size} ranks: adjust sample.prompts_per_step "
+            "or sample.group_size"
+        )
+    count = n // world_size
+    return rank * count, count
 
-    ``step_samples(step)`` -> (indices, group_ids) for this rank: dataset indices of its
-    m*K/world_size samples and their group ids in [0, m) (the prompt's slot in the step, so a
-    prompt drawn twice in one step, possible only when m > num_prompts, forms two groups).
-    Prompts are drawn epoch by epoch: a seeded permutation of all prompts per epoch (identity
-    when ``shuffle=False``), m at a time (see ``step_prompts``). The m*K samples
-    are then shuffled with a step-seeded permutation, so a group's K samples spread over ranks.
-    The concatenation of all ranks' slices in rank order equals the 1-rank draw.
+
+class KRepeatSampler:
+    """m prompts x K samples per step (the global draw; ``rank_slice`` gives a rank its share).
+
+    ``global_step_samples(step)`` -> (indices, group_ids) of all m*K samples: dataset indices
+    and group ids in [0, m) (the prompt's slot in the step, so a prompt drawn twice in one step,
+    possible only when m > num_prompts, forms two groups). Prompts are drawn epoch by epoch: a
+    seeded permutation of all prompts per epoch (identity when ``shuffle=False``), m at a time
+    (see ``step_prompts``). The m*K samples are then shuffled with a step-seeded permutation,
+    so a group's K samples spread over ranks. A step's draw depends only on (seed, step).
     """
 
     def __init__(
@@ -204,8 +230,6 @@ class KRepeatSampler:
         num_prompts: int,
         prompts_per_step: int,
         group_size: int,
-        world_size: int = 1,
-        rank: int = 0,
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
@@ -216,19 +240,8 @@ class KRepeatSampler:
                 f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, "
                 f"{group_size}"
             )
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
-        total = prompts_per_step * group_size
-        if total % world_size:
-            raise ValueError(
-                f"sample.prompts_per_step * sample.group_size = {prompts_per_step} * "
-                f"{group_size} = {total} images per step must divide evenly over {world_size} "
-                "ranks"
-            )
         self.num_prompts, self.m, self.k = num_prompts, prompts_per_step, group_size
-        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
-        self.per_rank = total // world_size
-        self.step = 0  # steps already drawn by next()
+        self.seed, self.shuffle = seed, shuffle
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _epoch_perm(self, epoch: int) -> np.ndarray:
@@ -270,33 +283,10 @@ class KRepeatSampler:
         groups = groups[perm]
         return [prompts[g] for g in groups.tolist()], groups.tolist()
 
-    def step_samples(self, step: int) -> tuple[list[int], list[int]]:
-        """(indices, group_ids) of this rank's m*K/world_size samples of ``step``."""
-        idx, groups = self.global_step_samples(step)
-        lo = self.rank * self.per_rank
-        return idx[lo : lo + self.per_rank], groups[lo : lo + self.per_rank]
-
-    def epoch_of(self, step: int) -> int:
-        """The epoch the first prompt of ``step`` belongs to."""
-        spe = self.steps_per_epoch
-        return step // spe if spe else step * self.m // self.num_prompts
-
-    def next(self) -> tuple[list[int], list[int]]:
-        """This rank's samples of the next step; advances ``self.step``."""
-        out = self.step_samples(self.step)
-        self.step += 1
-        return out
-
-    def __iter__(self) -> KRepeatSampler:
-        return self
-
-    def __next__(self) -> tuple[list[int], list[int]]:
-        return self.next()
-
     def state_dict(self) -> dict[str, int]:
-        """JSON-able position; the draw itself depends only on (seed, step)."""
+        """What defines the draw (JSON-able): a step's samples depend only on these and the
+        step number, so resuming needs no position, only a check that these did not change."""
         return {
-            "step": self.step,
             "seed": self.seed,
             "num_prompts": self.num_prompts,
             "prompts_per_step": self.m,
@@ -305,21 +295,21 @@ class KRepeatSampler:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state`` (world_size may differ; the draw must not)."""
+        """Check that a resumed run draws what ``state``'s run drew (world_size may differ)."""
         mine = self.state_dict()
         for key in ("seed", "num_prompts", "prompts_per_step", "group_size", "shuffle"):
             if key in state and int(state[key]) != int(mine[key]):
                 raise ValueError(
                     f"cannot resume the prompt sampler: {key} was {state[key]}, now {mine[key]}"
                 )
-        self.step = int(state["step"])
 
 
 __all__ = [
     "KRepeatSampler",
     "PromptDataset",
-    "digit_prompts",
+    "builtin_prompts",
     "load_prompts",
+    "rank_slice",
     "prompt_splits",
     "repeat_for_eval",
     "split_dataset",

@@ -18,6 +18,7 @@ _EXPORTS = {
     "LoraConfig": "config",
     "LossConfig": "config",
     "OptimConfig": "config",
+    "UpdateConfig": "config",
     "DistInfo": "dist",
     "build_mesh": "dist",
     "cleanup": "dist",

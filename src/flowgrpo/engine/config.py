@@ -1,127 +1,176 @@
-"""Engine settings: plain dataclasses with defaults (the trainer's config nests them as sections)."""
+"""The engine's config sections: each setting declared once, with its help and its check.
+
+The run config (``flowgrpo.config.Config``) holds these very sections (``lora``, ``optim``,
+``loss``, ``fsdp``, ``ema``, ``update``); the engine reads them from it directly. Standalone
+users and tests build an ``EngineConfig``, which holds the same sections and nothing else.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_DTYPES = ("auto", "fp32", "bf16", "fp16")
+from flowgrpo.settings import between, check_section, ge, gt, need, one_of, setting
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+CFG_GRAD_MODES = ("both", "cond_only")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
 class LoraConfig:
-    """peft LoRA on the transformer. ``target_modules`` None = the adapter's per-family
-    defaults; "all-linear" = every nn.Linear. ``init`` is peft's ``init_lora_weights``
-    ("gaussian", "default" (= True), "pissa", ...)."""
+    """peft LoRA on the transformer."""
 
-    enabled: bool = True
-    rank: int = 32
-    alpha: float = 64
-    init: str = "gaussian"
-    target_modules: list[str] | str | None = None
-    dropout: float = 0.0
+    enabled: bool = setting(True, "Train LoRA adapters (false = full fine-tune).")
+    rank: int = setting(32, "LoRA rank r.", check=ge(1))
+    alpha: float = setting(64, "LoRA alpha (scale alpha / r).", check=gt(0))
+    init: str = setting("gaussian", "peft `init_lora_weights`: `gaussian`, `default`, `pissa`, ...")
+    target_modules: list[str] | str | None = setting(
+        None,
+        "Module names to adapt; null = the model family's defaults; `all-linear` = every Linear.",
+    )
+    dropout: float = setting(0.0, "LoRA dropout.", check=between(0, 1, hi_open=True))
 
 
 @dataclass
 class OptimConfig:
-    """AdamW and the LR schedule ("constant" or "cosine"; both with linear warm-up).
-    ``total_steps`` 0 = unknown: the LR stays constant after warm-up."""
+    """AdamW, the LR schedule (linear warm-up, then constant or cosine) and the non-finite rule."""
 
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 1e-4
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 0
+    lr: float = setting(3e-4, "AdamW learning rate.", check=gt(0))
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas.")
+    weight_decay: float = setting(1e-4, "AdamW weight decay.", check=ge(0))
+    eps: float = setting(1e-8, "AdamW epsilon.", check=gt(0))
+    max_grad_norm: float = setting(1.0, "Gradient clipping norm.", check=gt(0))
+    lr_schedule: str = setting(
+        "constant",
+        "`constant` or `cosine`, both after a linear warm-up.",
+        check=one_of(*LR_SCHEDULES),
+    )
+    warmup_steps: int = setting(0, "Linear warm-up length in optimizer steps.", check=ge(0))
+    total_steps: int = setting(
+        0,
+        "Cosine length in optimizer steps; 0 = `trainer.max_steps` x `update.num_minibatches` "
+        "(constant after warm-up when the engine runs on its own).",
+        check=ge(0, " (0 = trainer.max_steps)"),
+    )
+    max_consecutive_skips: int = setting(
+        3,
+        "Stop (training diverged) after this many optimizer steps in a row skipped for a "
+        "non-finite loss, gradient or update.",
+        check=ge(1),
+    )
+
+    def check(self) -> None:
+        for i, b in enumerate(self.betas):
+            need(0 <= b < 1, f"optim.betas[{i}]", "in [0, 1)", b)
 
 
 @dataclass
 class LossConfig:
-    """Flow-GRPO clipped surrogate + kl_beta * KL(policy || reference)."""
+    """The Flow-GRPO objective: clipped surrogate + kl_beta * KL(policy || reference)."""
 
-    clip_range: float = 1e-4
-    adv_clip_max: float = 5.0
-    kl_beta: float = 0.0
+    clip_range: float = setting(
+        1e-4,
+        "PPO ratio clip epsilon (log-probs are per-dimension means, hence tiny).",
+        check=gt(0),
+    )
+    adv_clip_max: float = setting(5.0, "Advantages are clamped to +-this.", check=gt(0))
+    kl_beta: float = setting(
+        0.0,
+        "Weight of KL(policy || reference) (reference = LoRA off / initial weights); 0 = no KL "
+        "and no reference forward.",
+        check=ge(0),
+    )
+    cfg_grad: str = setting(
+        "both",
+        "How the guidance gradient flows: `both` branches (exact) or `cond_only` "
+        "(unconditional branch under no_grad: cheaper, biased; the original paper's form).",
+        check=one_of(*CFG_GRAD_MODES),
+    )
+    skip_zero_advantage: bool = setting(
+        True,
+        "Drop samples whose advantage is exactly 0 (groups with equal rewards) before the "
+        "update, as flow_grpo does; the loss is the mean over the kept samples.",
+    )
 
 
 @dataclass
 class FSDPConfig:
-    """FSDP2 wrapping. param_dtype "auto" = bf16 on CUDA, fp32 on CPU. ``replicate_degree`` > 1
-    = HSDP: shard inside groups of world/replicate_degree ranks, replicate across them."""
+    """FSDP2 wrapping."""
 
-    param_dtype: str = "auto"
-    reduce_dtype: str = "fp32"
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
-    reshard_after_forward: bool = True
-    replicate_degree: int = 1
+    param_dtype: str = setting(
+        "auto",
+        "FSDP2 compute dtype: `auto` (`model.dtype` if explicit, else bf16 on CUDA, fp32 on "
+        "CPU), `fp32`, `bf16`, `fp16`.",
+        check=one_of(*DTYPES),
+    )
+    reduce_dtype: str = setting("fp32", "Gradient reduce dtype.", check=one_of(*DTYPES))
+    cpu_offload: bool = setting(False, "Offload parameters and optimizer state to CPU.")
+    activation_checkpointing: bool = setting(
+        False, "Recompute transformer blocks in backward (saves memory)."
+    )
+    reshard_after_forward: bool = setting(
+        True, "Free gathered parameters after each block's forward."
+    )
+    replicate_degree: int = setting(
+        1,
+        "HSDP: shard within groups of world/replicate_degree ranks, replicate across them "
+        "(1 = plain FSDP).",
+        check=ge(1),
+    )
 
 
 @dataclass
 class EMAConfig:
-    """EMA of the trainable params: decay warm-up min((1 + s) / (10 + s), decay) at optimizer
-    step s (0-based), applied every ``update_every`` optimizer steps."""
+    """EMA of the trainable params (Flow-GRPO's warm-up schedule)."""
 
-    enabled: bool = False
-    decay: float = 0.9
-    update_every: int = 8
+    enabled: bool = setting(
+        False, "Keep an EMA of the trainable parameters (used by eval and checkpoints)."
+    )
+    decay: float = setting(
+        0.9, "EMA decay (warm-up min((1+s)/(10+s), decay)).", check=between(0, 1, hi_open=True)
+    )
+    update_every: int = setting(8, "Update the EMA every this many optimizer steps.", check=ge(1))
+
+
+@dataclass
+class UpdateConfig:
+    """The policy update after each rollout: optimizer steps and the micro-batch size."""
+
+    micro_batch_size: int = setting(4, "Samples per forward/backward in the update.", check=ge(1))
+    num_minibatches: int = setting(
+        2,
+        "Optimizer steps per rollout (the global batch is split in this many parts).",
+        check=ge(1),
+    )
 
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs. ``num_minibatches`` = optimizer steps per train_step call;
-    ``micro_batch_size`` = samples per forward/backward; ``skip_zero_advantage`` drops samples
-    whose advantage is exactly 0 before training; ``cfg_grad`` "both" (exact) or "cond_only"
-    (the guidance gradient through the conditional branch only: cheaper, biased)."""
+    """The sections the engine reads (the run config has them all, and more)."""
 
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
-    micro_batch_size: int = 4
-    num_minibatches: int = 1
-    max_consecutive_skips: int = 3
-    skip_zero_advantage: bool = True
-    cfg_grad: str = "both"
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     seed: int = 0
 
     def validate(self) -> EngineConfig:
-        """Raise ValueError naming the first bad field; returns self."""
-        checks = [
-            (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
-            (self.num_minibatches >= 1, "num_minibatches must be >= 1"),
-            (self.max_consecutive_skips >= 1, "max_consecutive_skips must be >= 1"),
-            (
-                self.cfg_grad in ("both", "cond_only"),
-                f"cfg_grad must be 'both' or 'cond_only', got {self.cfg_grad!r}",
-            ),
-            (self.lora.rank >= 1, "lora.rank must be >= 1"),
-            (
-                self.optim.lr_schedule in ("constant", "cosine"),
-                f"optim.lr_schedule must be 'constant' or 'cosine', got {self.optim.lr_schedule!r}",
-            ),
-            (self.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
-            (self.optim.total_steps >= 0, "optim.total_steps must be >= 0"),
-            (self.loss.clip_range > 0, "loss.clip_range must be > 0"),
-            (self.loss.kl_beta >= 0, "loss.kl_beta must be >= 0"),
-            (
-                self.fsdp.param_dtype in _DTYPES,
-                f"fsdp.param_dtype must be one of {_DTYPES}, got {self.fsdp.param_dtype!r}",
-            ),
-            (
-                self.fsdp.reduce_dtype in _DTYPES,
-                f"fsdp.reduce_dtype must be one of {_DTYPES}, got {self.fsdp.reduce_dtype!r}",
-            ),
-            (self.fsdp.replicate_degree >= 1, "fsdp.replicate_degree must be >= 1"),
-            (0 <= self.ema.decay < 1, "ema.decay must be in [0, 1)"),
-            (self.ema.update_every >= 1, "ema.update_every must be >= 1"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        """Raise ConfigError (a ValueError) naming the first bad field; returns self."""
+        check_section(self)
         return self
 
 
-__all__ = ["EMAConfig", "EngineConfig", "FSDPConfig", "LoraConfig", "LossConfig", "OptimConfig"]
+__all__ = [
+    "CFG_GRAD_MODES",
+    "DTYPES",
+    "EMAConfig",
+    "EngineConfig",
+    "FSDPConfig",
+    "LR_SCHEDULES",
+    "LoraConfig",
+    "LossConfig",
+    "OptimConfig",
+    "UpdateConfig",
+]

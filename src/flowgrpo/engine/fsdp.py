@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from flowgrpo.engine.ema import EMA, local
 from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
 from flowgrpo.rollout.sampler import Trajectory, trajectory_log_prob
+from flowgrpo.settings import check_section
 
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
@@ -87,7 +89,9 @@ class LRLambda:
 class DiffusersFSDPEngine:
     """Trainable policy = ``adapter.transformer`` (LoRA or full), sharded with FSDP2.
 
-    Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
+    ``config``: an ``EngineConfig``, or the run config itself: anything with the sections
+    ``lora``, ``optim``, ``loss``, ``fsdp``, ``ema``, ``update`` and a ``seed`` (read as they
+    are, never copied). Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
     ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (train_step calls),
     ``optimizer_steps`` (applied updates), ``generator`` (shuffling; identical on all ranks).
     """
@@ -95,11 +99,12 @@ class DiffusersFSDPEngine:
     def __init__(
         self,
         adapter: DiffusionAdapter,
-        config: EngineConfig | None = None,
+        config: EngineConfig | Any | None = None,
         dist: fdist.DistInfo | None = None,
     ):
         self.adapter = adapter
-        self.config = cfg = (config or EngineConfig()).validate()
+        self.config = cfg = config if config is not None else EngineConfig()
+        check_section(cfg)
         self.dist = dist or fdist.init_distributed()
         model = adapter.transformer
         self.model_class = type(model)
@@ -262,16 +267,18 @@ class DiffusersFSDPEngine:
         adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
         if adv.numel() != batch:
             raise ValueError(f"got {adv.numel()} advantages for a trajectory of {batch} samples")
-        if batch < cfg.num_minibatches:
-            raise ValueError(f"{batch} samples cannot fill {cfg.num_minibatches} minibatches")
+        if batch < cfg.update.num_minibatches:
+            raise ValueError(
+                f"{batch} samples cannot fill {cfg.update.num_minibatches} minibatches"
+            )
         if cfg.loss.kl_beta > 0 and (trajectory.noise_level <= 0 or trajectory.sde_type == "ode"):
             raise ValueError("kl_beta > 0 needs a stochastic trajectory (noise_level > 0, sde/cps)")
         adv = adv.to(trajectory.latents.device)
         kept = torch.arange(batch)
-        if cfg.skip_zero_advantage:
+        if cfg.loss.skip_zero_advantage:
             kept = (adv.cpu() != 0).nonzero().squeeze(1)
         perm = kept[torch.randperm(len(kept), generator=self.generator)]
-        minibatches = torch.tensor_split(perm, cfg.num_minibatches)
+        minibatches = torch.tensor_split(perm, cfg.update.num_minibatches)
         # kept samples per (rank, minibatch): the global loss normalisation and micro-batch count
         counts = torch.tensor([len(mb) for mb in minibatches], device=self.dist.device)
         counts = fdist.all_gather_tensor(counts[None]).cpu()  # [world, num_minibatches]
@@ -280,7 +287,7 @@ class DiffusersFSDPEngine:
             global_kept = int(counts[:, m].sum())
             if global_kept == 0:  # nothing to learn from on any rank: no update at all
                 continue
-            n_micro = max(-(-int(c) // cfg.micro_batch_size) for c in counts[:, m])  # ceil
+            n_micro = max(-(-int(c) // cfg.update.micro_batch_size) for c in counts[:, m])  # ceil
             rows.append(self._optimizer_step(trajectory, adv, mb, global_kept, n_micro))
         self.step += 1
         total = int(counts.sum())
@@ -300,7 +307,7 @@ class DiffusersFSDPEngine:
         """(rows, weight of each row's loss) for ``n_micro`` micro-batches: this rank's rows in
         chunks of ``micro_batch_size``, then zero-weight padding (one local sample) so every
         rank runs ``n_micro`` forward/backward passes."""
-        chunks = [c for c in index.split(self.config.micro_batch_size) if len(c)]
+        chunks = [c for c in index.split(self.config.update.micro_batch_size) if len(c)]
         for rows in chunks:
             yield rows, 1.0
         for _ in range(n_micro - len(chunks)):
@@ -355,7 +362,7 @@ class DiffusersFSDPEngine:
             self.consecutive_skips = 0
             self.ema_update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.consecutive_skips >= cfg.max_consecutive_skips:
+        if self.consecutive_skips >= cfg.optim.max_consecutive_skips:
             raise TrainingDiverged(
                 f"training diverged: {self.consecutive_skips} consecutive non-finite updates "
                 f"(loss, gradient or weights); lower optim.lr (now {lr:g})"
@@ -413,7 +420,9 @@ class DiffusersFSDPEngine:
         if lc.kl_beta > 0:
             with torch.no_grad(), self.reference_transformer() as ref:
                 ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
-        out = trajectory_log_prob(self.adapter, self.model, sub, k, cfg_grad=self.config.cfg_grad)
+        out = trajectory_log_prob(
+            self.adapter, self.model, sub, k, cfg_grad=self.config.loss.cfg_grad
+        )
         policy_loss, m = flow_grpo_loss(
             out.log_prob,
             sub.log_probs[:, k],

@@ -19,8 +19,26 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "StableDiffusion3Pipeline": "flowgrpo.models.sd3:SD3Adapter",
     "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
     "WanPipeline": "flowgrpo.models.wan:WanAdapter",
-    "ToyDigitsPipeline": "flowgrpo.models.toy:ToyAdapter",
+    "ToyDigitsPipeline": "flowgrpo.toy.adapter:ToyAdapter",
 }
+#: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
+#: directory (import paths as strings: nothing below the toy package imports it)
+BUILTIN_PIPELINES: dict[str, str] = {"toy-digits": "flowgrpo.toy.pipeline:shipped_dir"}
+BUILTIN = "builtin:"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A local directory, or ``builtin:NAME`` -> the shipped pipeline's directory."""
+    text = str(path)
+    if not text.startswith(BUILTIN):
+        return Path(text).expanduser()
+    name = text[len(BUILTIN) :]
+    if name not in BUILTIN_PIPELINES:
+        raise ValueError(
+            f"model.path {text!r}: no built-in pipeline {name!r}; built-in: "
+            + ", ".join(BUILTIN + n for n in BUILTIN_PIPELINES)
+        )
+    return Path(import_adapter(BUILTIN_PIPELINES[name])())
 
 
 def _supported() -> str:
@@ -37,12 +55,21 @@ def resolve_adapter_path(pipeline_cls: type) -> str:
     )
 
 
-def import_adapter(path: str) -> type:
-    """Import ``package.module:ClassName`` and return the class."""
+def import_adapter(path: str) -> Any:
+    """Import ``package.module:name`` and return the object (an adapter class, ...)."""
     module_name, _, attr = path.partition(":")
     if not attr:
         raise ValueError(f"adapter path {path!r} must look like 'package.module:ClassName'")
     return getattr(importlib.import_module(module_name), attr)
+
+
+def adapter_options(pipeline_cls: type) -> set[str]:
+    """The keyword options the adapter of ``pipeline_cls`` takes (e.g. ``true_cfg_scale``)."""
+    import inspect
+
+    init = import_adapter(resolve_adapter_path(pipeline_cls)).__init__
+    params = list(inspect.signature(init).parameters.values())[2:]  # self, pipe
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def build_adapter(pipe: Any, **kwargs: Any) -> Any:
@@ -52,7 +79,7 @@ def build_adapter(pipe: Any, **kwargs: Any) -> Any:
 
 def read_model_index(path: str | Path) -> dict[str, Any]:
     """``model_index.json`` of a local diffusers directory, with clear errors for bad paths."""
-    root = Path(path).expanduser()
+    root = resolve_model_path(path)
     if not root.exists():
         raise FileNotFoundError(f"model.path '{path}' does not exist")
     index = root / "model_index.json"
@@ -72,7 +99,8 @@ def read_model_index(path: str | Path) -> dict[str, Any]:
 
 
 def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -> Any:
-    """Load a supported diffusers pipeline from a local directory (never downloads).
+    """Load a supported diffusers pipeline from a local directory or a built-in one
+    (``builtin:toy-digits``; never downloads).
 
     The pipeline class named in ``model_index.json`` is checked before any weight is read.
     A class diffusers does not ship (``ToyDigitsPipeline``) is taken from its adapter's module.
@@ -94,7 +122,7 @@ def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -
     kwargs: dict[str, Any] = {"local_files_only": True}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
-    pipe = cls.from_pretrained(str(Path(path).expanduser()), **kwargs)
+    pipe = cls.from_pretrained(str(resolve_model_path(path)), **kwargs)
     module_name, _, attr = SUPPORTED_PIPELINES[name].partition(":")
     adapter_cls = getattr(importlib.import_module(module_name), attr, None)
     prepare = getattr(adapter_cls, "prepare_pipeline", None)

@@ -7,13 +7,12 @@ from flowgrpo.rewards.base import (
     MultiReward,
     RewardFn,
     RewardFuture,
-    RewardSpec,
     build_reward,
-    parse_reward_specs,
     register_reward,
     registered_rewards,
     validate_images,
 )
+from flowgrpo.rewards.spec import RewardSpec, check_labels, parse_reward_specs
 
 __all__ = [
     "AsyncRewardScorer",
@@ -22,6 +21,7 @@ __all__ = [
     "RewardFuture",
     "RewardSpec",
     "build_reward",
+    "check_labels",
     "parse_reward_specs",
     "register_reward",
     "registered_rewards",

@@ -13,12 +13,12 @@ import copy
 import difflib
 import importlib
 import inspect
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from flowgrpo.rewards.spec import RewardSpec, check_labels, parse_reward_specs
 
 RewardOutput = Sequence[float] | torch.Tensor | Mapping[str, Sequence[float] | torch.Tensor]
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], RewardOutput]
@@ -28,7 +28,8 @@ _REGISTRY: dict[str, Any] = {
     "ocr": "flowgrpo.rewards.ocr:OcrReward",
     "jpeg_compressibility": "flowgrpo.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "flowgrpo.rewards.jpeg:jpeg_incompressibility",
-    "digits": "flowgrpo.rewards.digits:digits_reward",
+    "digits": "flowgrpo.toy.reward:digits_reward",
+    "digits_eval": "flowgrpo.toy.reward:digits_eval",
     "clip_score": "flowgrpo.rewards.clip:ClipScore",
     "pickscore": "flowgrpo.rewards.clip:PickScore",
     "remote": "flowgrpo.rewards.remote:RemoteReward",
@@ -128,62 +129,6 @@ def _check_options(fn: Callable, options: Mapping[str, Any], name: str, skip: in
         )
 
 
-@dataclass
-class RewardSpec:
-    """One component of a (multi-)reward: registry name or import path, weight, options.
-
-    ``key_weights`` only matters for a reward returning a dict: it weights its entries
-    individually (entries not listed get weight 0, i.e. are only logged). Without it every
-    entry gets ``weight``.
-    """
-
-    name: str
-    weight: float = 1.0
-    options: dict[str, Any] = field(default_factory=dict)
-    key_weights: dict[str, float] | None = None
-    alias: str | None = None  # the name in outputs and logs (default: see ``label``)
-
-    @property
-    def label(self) -> str:
-        """Name in outputs and logs: alias, else the registry name or the import path's attr."""
-        return self.alias or self.name.rpartition(":")[2].rpartition(".")[2] or self.name
-
-
-def parse_reward_specs(cfg: Any) -> list[RewardSpec]:
-    """Accept ``"ocr"``, ``{"ocr": 1.0, "jpeg_compressibility": 0.1}``, a RewardSpec, or a list
-    of names / dicts ``{"name", "weight", "options", "key_weights", "alias"}`` / RewardSpecs."""
-    if isinstance(cfg, (str, RewardSpec)):
-        cfg = [cfg]
-    elif isinstance(cfg, Mapping) and "name" not in cfg:
-        cfg = [{"name": k, "weight": v} for k, v in cfg.items()]
-    elif isinstance(cfg, Mapping):
-        cfg = [cfg]
-    specs = []
-    for item in cfg:
-        if isinstance(item, RewardSpec):
-            specs.append(item)
-        elif isinstance(item, str):
-            specs.append(RewardSpec(item))
-        elif isinstance(item, Mapping):
-            unknown = set(item) - {"name", "weight", "options", "key_weights", "alias"}
-            if unknown or "name" not in item:
-                raise ValueError(
-                    f"bad reward spec {dict(item)!r}: needs 'name', got {unknown or ''}"
-                )
-            specs.append(
-                RewardSpec(
-                    name=str(item["name"]),
-                    weight=float(item.get("weight", 1.0)),
-                    options=dict(item.get("options") or {}),
-                    key_weights=item.get("key_weights"),
-                    alias=item.get("alias"),
-                )
-            )
-        else:
-            raise ValueError(f"bad reward spec {item!r}: expected a name, a dict or a RewardSpec")
-    return specs
-
-
 def validate_images(images: Any, prompts: Any, metadata: Any) -> None:
     """Check the reward input contract; ValueError naming the culprit otherwise."""
     if not isinstance(images, torch.Tensor):
@@ -249,17 +194,9 @@ class MultiReward:
         self.specs = parse_reward_specs(specs)
         if not self.specs:
             raise ValueError("MultiReward needs at least one reward")
-        labels = [s.label for s in self.specs]
-        dup = sorted({x for x in labels if labels.count(x) > 1})
-        if dup:
-            raise ValueError(f"reward names must be unique, {dup} repeated (set 'alias')")
+        check_labels(self.specs)
         for spec in self.specs:
-            weights = [spec.weight, *(spec.key_weights or {}).values()]
-            if not all(math.isfinite(float(w)) for w in weights):
-                raise ValueError(
-                    f"reward {spec.label!r}: weights must be finite numbers, got weight "
-                    f"{spec.weight} and key_weights {spec.key_weights}"
-                )
+            spec.check()
         self.fns: dict[str, RewardFn] = {
             s.label: build_reward(s.name, **s.options) for s in self.specs
         }

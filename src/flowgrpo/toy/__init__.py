@@ -1,7 +1,10 @@
-"""The built-in toy digits task: data, pretraining, evaluation and an RL quick check.
+"""The built-in toy digits task: a model (pipeline + adapter) and its rewards like any other,
+plus its data, pretraining, evaluation and an RL quick check.
 
-The model itself is ``flowgrpo.models.toy`` and its reward ``flowgrpo.rewards.digits``.
-Names are imported lazily so that ``python -m flowgrpo.toy.pretrain`` runs cleanly.
+It sits above everything it uses (models, rollout, rewards); nothing below imports it: the
+registries name ``ToyDigitsPipeline``'s adapter, the ``digits`` rewards and the built-in
+``builtin:toy-digits`` / ``builtin:digits`` by import path. Names are imported lazily so that
+``python -m flowgrpo.toy.pretrain`` runs cleanly.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from typing import Any
 
 _EXPORTS = {
     "load_digits_data": "flowgrpo.toy.data",
+    "digit_prompt_set": "flowgrpo.toy.data",
+    "ToyAdapter": "flowgrpo.toy.adapter",
+    "digits_reward": "flowgrpo.toy.reward",
+    "digits_eval": "flowgrpo.toy.reward",
     "digit_prompts": "flowgrpo.toy.eval",
     "eval_generators": "flowgrpo.toy.eval",
     "evaluate_toy": "flowgrpo.toy.eval",
@@ -21,6 +28,7 @@ _EXPORTS = {
     "quickcheck": "flowgrpo.toy.quickcheck",
     "ToyDigitsPipeline": "flowgrpo.toy.pipeline",
     "parse_digit": "flowgrpo.toy.pipeline",
+    "shipped_dir": "flowgrpo.toy.pipeline",
     "toy_pipeline": "flowgrpo.toy.pipeline",
 }
 

@@ -1,4 +1,5 @@
-"""scikit-learn's handwritten digits at their native 8x8, as images in [-1, 1].
+"""scikit-learn's handwritten digits at their native 8x8, as images in [-1, 1], and the toy's
+prompt set (``data.train_prompts=builtin:digits``).
 
 The data (1797 images, 16 grey levels) ships inside scikit-learn: nothing is downloaded.
 One fixed split (seed 0, 20 % test) is shared by the generator's pretraining, the reward
@@ -10,6 +11,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+
+from flowgrpo.data.prompts import PromptDataset
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -50,4 +53,11 @@ def to_unit(images: torch.Tensor) -> torch.Tensor:
     return (images + 1) / 2
 
 
-__all__ = ["load_digits_data", "to_unit"]
+def digit_prompt_set() -> PromptDataset:
+    """The toy's prompts: "a handwritten 0" ... "a handwritten 9", metadata {"digit": d}."""
+    return PromptDataset(
+        [f"a handwritten {d}" for d in range(10)], [{"digit": d} for d in range(10)], "digits"
+    )
+
+
+__all__ = ["digit_prompt_set", "load_digits_data", "to_unit"]

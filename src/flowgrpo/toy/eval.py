@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from flowgrpo.models.toy import IMAGE_SIZE, ToyAdapter, ToyDigitsPipeline
+from flowgrpo.toy.adapter import ToyAdapter
+from flowgrpo.toy.pipeline import IMAGE_SIZE, ToyDigitsPipeline
 
 
 def digit_prompts(samples_per_digit: int, template: str = "a handwritten {}") -> list[str]:
@@ -36,8 +37,8 @@ def evaluate_toy(
     Returns accuracy (classifier argmax == digit), reward_mean (mean digits_reward),
     judge_accuracy (independent SVC), diversity, and the images [10 n, 1, 8, 8] in [0, 1].
     """
-    from flowgrpo.rewards.digits import digit_probs, digits_judge, diversity
     from flowgrpo.rollout.sampler import sample_trajectories
+    from flowgrpo.toy.reward import digit_probs, digits_judge, diversity
 
     adapter = model if isinstance(model, ToyAdapter) else ToyAdapter(model)
     prompts = digit_prompts(samples_per_digit)

@@ -4,8 +4,9 @@
 2, 16 image tokens), a tiny learned text encoder (``ToyTextEncoder``: 4 tokens of dim 32 plus a
 pooled vector per digit, and an extra entry for the empty prompt used by CFG) and a
 ``FlowMatchEulerDiscreteScheduler``. Latents ARE the images: [B, 1, 8, 8] in [-1, 1], no VAE.
-Its adapter is ``flowgrpo.models.toy.ToyAdapter``. Base weights pretrained by
-``flowgrpo toy pretrain`` ship in ``flowgrpo/assets``.
+Its adapter is ``flowgrpo.toy.adapter.ToyAdapter``. The base model pretrained by
+``flowgrpo toy pretrain`` ships as a pipeline directory, ``flowgrpo/assets/toy-digits``, which
+``load_pipeline("builtin:toy-digits")`` loads like any model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 IMAGE_SIZE = 8
 NUM_DIGITS = 10
 EMPTY_ID = NUM_DIGITS  # text-encoder row of the empty (unconditional) prompt
-ASSET_NAME = "toy_generator"  # flowgrpo/assets/toy_generator.{safetensors,json}
+SHIPPED = "toy-digits"  # flowgrpo/assets/toy-digits/: the pretrained pipeline directory
 
 TRANSFORMER_CONFIG: dict[str, Any] = dict(
     sample_size=8,
@@ -163,11 +164,15 @@ class ToyDigitsPipeline:
         self.save_files(root / self.weights_name, root / self.config_name)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, **_: Any) -> ToyDigitsPipeline:
+    def from_pretrained(
+        cls, directory: str | Path, *, dtype: torch.dtype | None = None, **_: Any
+    ) -> ToyDigitsPipeline:
+        """Load ``save_pretrained``'s directory (``dtype``: cast, as diffusers' ``dtype=``)."""
         root = Path(directory)
         if not root.is_dir():
             raise FileNotFoundError(f"toy pipeline directory '{directory}' does not exist")
-        return cls.from_files(root / cls.weights_name, root / cls.config_name)
+        pipe = cls.from_files(root / cls.weights_name, root / cls.config_name)
+        return pipe if dtype is None or dtype == torch.float32 else pipe.to(dtype=dtype)
 
     # -- diffusers-like conveniences --------------------------------------------------------
     def to(self, device: Any = None, dtype: torch.dtype | None = None) -> ToyDigitsPipeline:
@@ -214,8 +219,8 @@ class ToyDigitsPipeline:
         generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> torch.Tensor:
         """Euler ODE samples for ``prompts``: images [B, 1, 8, 8] in [0, 1] on CPU."""
-        from flowgrpo.models.toy import ToyAdapter
         from flowgrpo.rollout.sampler import sample_trajectories
+        from flowgrpo.toy.adapter import ToyAdapter
 
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         traj = sample_trajectories(
@@ -235,22 +240,25 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def shipped_dir() -> Path:
+    """The shipped pretrained pipeline directory (``builtin:toy-digits``)."""
+    return Path(str(resources.files("flowgrpo") / "assets" / SHIPPED))
+
+
 def toy_pipeline(pretrained: bool = True, seed: int = 0) -> ToyDigitsPipeline:
-    """The shipped base model (``flowgrpo/assets/toy_generator.*``) or random weights from seed."""
+    """The shipped base model, or random weights from ``seed``."""
     if not pretrained:
         return ToyDigitsPipeline.from_config(seed=seed)
-    assets = resources.files("flowgrpo") / "assets"
-    with resources.as_file(assets / f"{ASSET_NAME}.safetensors") as weights:
-        with resources.as_file(assets / f"{ASSET_NAME}.json") as config:
-            return ToyDigitsPipeline.from_files(weights, config)
+    return ToyDigitsPipeline.from_pretrained(shipped_dir())
 
 
 __all__ = [
-    "ASSET_NAME",
+    "SHIPPED",
     "EMPTY_ID",
     "IMAGE_SIZE",
     "ToyDigitsPipeline",
     "ToyTextEncoder",
     "parse_digit",
+    "shipped_dir",
     "toy_pipeline",
 ]

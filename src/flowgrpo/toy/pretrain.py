@@ -1,7 +1,8 @@
 """Pretrain the toy generator (rectified flow on scikit-learn digits) and the reward classifier.
 
-``flowgrpo toy pretrain --out DIR`` writes ``toy_generator.safetensors`` + ``toy_generator.json``
-(and with ``--classifier`` also ``digits_classifier.safetensors``). Pretraining stops as soon as
+``flowgrpo toy pretrain --out DIR`` writes the pipeline directory ``DIR/toy-digits/`` (what
+``model.path=builtin:toy-digits`` loads; with ``--classifier`` also
+``DIR/digits_classifier.safetensors``). Pretraining stops as soon as
 the fixed-seed ODE eval accuracy (10 Euler steps, 10 digits x 16) lands in a "good but
 imperfect" window (default 0.60-0.70), so the RL demo has room to improve it; the figures go in
 the JSON's ``info``. To refresh the shipped weights:
@@ -18,9 +19,9 @@ from typing import Any
 
 import torch
 
-from flowgrpo.models.toy import ASSET_NAME, EMPTY_ID, ToyDigitsPipeline
-from flowgrpo.rewards.digits import CLASSIFIER_ASSET, DigitsClassifier, to_classifier_input
 from flowgrpo.toy.data import load_digits_data, to_unit
+from flowgrpo.toy.pipeline import EMPTY_ID, SHIPPED, ToyDigitsPipeline
+from flowgrpo.toy.reward import CLASSIFIER_ASSET, DigitsClassifier, to_classifier_input
 
 
 def train_digits_classifier(
@@ -172,10 +173,10 @@ def pretrain_toy(
     if classifier is not None and hasattr(classifier, "test_accuracy"):
         pipe.info["classifier_test_accuracy"] = round(classifier.test_accuracy, 4)
     if output_dir is not None:
-        out = Path(output_dir)
-        pipe.save_files(out / f"{ASSET_NAME}.safetensors", out / f"{ASSET_NAME}.json")
+        out = Path(output_dir) / SHIPPED
+        pipe.save_pretrained(out)
         if verbose:
-            print(f"saved {out / ASSET_NAME}.{{safetensors,json}} (step {best_step})")
+            print(f"saved {out}/ (step {best_step})")
     return pipe
 
 

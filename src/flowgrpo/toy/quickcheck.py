@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from flowgrpo.algo import flow_grpo_loss, group_advantages, kl_penalty_image
-from flowgrpo.models.toy import IMAGE_SIZE, ToyAdapter, toy_pipeline
-from flowgrpo.rewards.digits import digits_accuracy, digits_reward
 from flowgrpo.rollout.sampler import sample_trajectories, trajectory_log_prob
+from flowgrpo.toy.adapter import ToyAdapter
 from flowgrpo.toy.eval import digit_prompts, evaluate_toy
+from flowgrpo.toy.pipeline import IMAGE_SIZE, toy_pipeline
+from flowgrpo.toy.reward import digits_accuracy, digits_reward
 
 
 def quickcheck(

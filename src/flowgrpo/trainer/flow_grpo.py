@@ -40,8 +40,9 @@ class Run:
             torch.set_num_threads(cfg.run.num_threads)
         self.adapter = S.build_adapter_for(cfg, dist)
         self.engine = S.build_engine(cfg, self.adapter, dist)
-        self.reward = S.build_rewards(cfg)
-        self.train_data, self.sampler, self.eval_set = S.build_data(cfg, dist)
+        self.reward = S.build_rewards(cfg.reward)
+        self.eval_reward = S.build_rewards(cfg.eval_reward)  # eval only, the whole set at once
+        self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
         self.window = S.sde_window(cfg)
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
         self.grid_index, self.grid_cols = S.grid_layout(
@@ -121,7 +122,7 @@ def score(
         if not run.cfg.advantage.async_reward:
             traj = rollout(run, prompts, indices, step)
             t = time.perf_counter()
-            with reward_failures(run, traj.images, prompts, metadata, locations, step):
+            with reward_failures(run.reward, traj.images, prompts, metadata, locations, step):
                 rewards = run.reward(traj.images, prompts, metadata)
             return traj, rewards, time.perf_counter() - t
         futures = []
@@ -136,14 +137,14 @@ def score(
                 ),
             )
             t = time.perf_counter()
-            with reward_failures(run, traj.images, prompts, metadata, locations, step):
+            with reward_failures(run.reward, traj.images, prompts, metadata, locations, step):
                 parts = [f.result() for f in futures]
     rewards = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return traj, rewards, time.perf_counter() - t
 
 
 @contextlib.contextmanager
-def reward_failures(run: Run, images, prompts, metadata, locations, step: int):
+def reward_failures(reward, images, prompts, metadata, locations, step: int):
     """Turn a reward's failure into one RunError line. When the reward fails on some samples
     but not on others, the culprit is the data: scoring samples one at a time (at most 16)
     finds the first that fails, and its prompt-file line is named."""
@@ -156,7 +157,7 @@ def reward_failures(run: Run, images, prompts, metadata, locations, step: int):
         failed, passed = None, False
         for i in range(min(len(prompts), 16)):
             try:
-                run.reward(images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1])
+                reward(images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1])
                 passed = True
             except Exception:  # noqa: BLE001 - looking for the sample that fails
                 failed = i if failed is None else failed
@@ -190,7 +191,6 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     )
     advantages = combined.advantages[start : start + count].to(dist.device)
     train_metrics = run.engine.train_step(traj, advantages)
-    run.sampler.step = step
     t3 = time.perf_counter()
     return {
         "reward_mean": float(combined.reward.mean()),
@@ -219,7 +219,7 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
     with run.ema():
         images = rollout(run, prompts, idx, S.EVAL_SALT, eval=True).images[:real]
     where = [ev.locations[i] for i in idx[:real]]
-    with reward_failures(run, images, prompts[:real], metadata[:real], where, -1):
+    with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, -1):
         local = run.reward(images, prompts[:real], metadata[:real])
     rewards = gather_rewards(local, run.dist.device)
     total = sum(run.reward.weights.get(k, 0.0) * v for k, v in rewards.items())
@@ -227,9 +227,13 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
     out.update({f"eval/{k}_mean": float(v.mean()) for k, v in rewards.items()})
     keep = [i for i, g in enumerate(idx[:real]) if g in run.grid_index]
     shown = D.all_gather_object((images[keep] * 255).round().to(torch.uint8))
-    if S.is_toy(run.cfg):  # tiny images: gather all of them for the toy's extra metrics
+    if run.eval_reward is not None:  # set-level scores (e.g. diversity): every image at once
         every = torch.cat(D.all_gather_object(images))
-        out.update(S.toy_eval_metrics(every, ev.prompts, ev.metadata))
+        with reward_failures(run.eval_reward, every, ev.prompts, ev.metadata, ev.locations, -1):
+            scores = run.eval_reward(every, ev.prompts, ev.metadata)
+        out.update(
+            {f"eval/{name.rpartition('/')[2]}": float(v.mean()) for name, v in scores.items()}
+        )
     grid = torch.cat(shown).float() / 255 if run.dist.is_main else torch.empty(0)
     return out, grid
 
@@ -255,7 +259,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
         _, extra = load_checkpoint(run.engine, resume_from)
         state.update(extra or {})
         state.setdefault("run_id", run_id_of(resume_from))  # checkpoints from before run ids
-        run.sampler.load_state_dict(state["sampler"])
+        run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
         state["run_id"] = S.new_run_id()
     global_batch = S.global_batch_size(cfg)

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -354,12 +354,3 @@ def _wandb_mode(value: str | bool | None) -> str | None:
     if value == "offline":
         return "offline"
     raise ValueError(f"run.wandb must be false, true, 'online' or 'offline', got {value!r}")
-
-
-def last_rows(rows: Iterable[dict[str, Any]], key: str) -> dict[str, Any] | None:
-    """The last row of ``rows`` holding ``key`` (None if none)."""
-    found = None
-    for r in rows:
-        if key in r:
-            found = r
-    return found

@@ -47,64 +47,48 @@ def sde_window(cfg: Any) -> SDEWindow | None:
     return SDEWindow(s.window_size, s.window_lo, s.window_hi) if s.window_size > 0 else None
 
 
-def is_toy(cfg: Any) -> bool:
-    return cfg.model.kind == "toy"
-
-
 def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
-    """The pipeline (the shipped toy, or a local diffusers directory at ``model.path``) wrapped
-    in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32)."""
-    from flowgrpo.models.registry import build_adapter, load_pipeline
+    """The pipeline at ``model.path`` (a local diffusers directory or a built-in one) wrapped
+    in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32).
+    ``model.true_cfg_scale`` / ``model.max_sequence_length`` go to adapters that take them (a
+    clear error for one that does not)."""
+    from flowgrpo.models.registry import adapter_options, build_adapter, load_pipeline
 
-    dtype = _DTYPES.get(cfg.model.dtype)
+    m = cfg.model
+    dtype = _DTYPES.get(m.dtype)
     if dtype is None:
         dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    if is_toy(cfg):
-        from flowgrpo.models.toy import ToyDigitsPipeline, toy_pipeline
-
-        if cfg.model.path:
-            pipe = ToyDigitsPipeline.from_pretrained(cfg.model.path)
-        else:
-            pipe = toy_pipeline(pretrained=cfg.model.pretrained, seed=cfg.seed)
-        if dtype != torch.float32:
-            pipe.to(dtype=dtype)
-    else:
-        if not cfg.model.path:
-            raise ValueError(f"model.path is required for model.kind={cfg.model.kind!r}")
-        pipe = load_pipeline(cfg.model.path, torch_dtype=dtype)
+    if not m.path:
+        raise ValueError("model.path is required: a local diffusers directory or builtin:NAME")
+    pipe = load_pipeline(m.path, torch_dtype=dtype)
     if dist.device.type != "cpu":
         pipe.to(dist.device)
-    options = {}
-    if cfg.model.true_cfg_scale != 1.0:  # FLUX's optional true CFG on top of distilled guidance
-        if type(pipe).__name__ != "FluxPipeline":
-            raise ValueError(
-                f"model.true_cfg_scale applies to FLUX pipelines only, not {type(pipe).__name__}"
-            )
-        options["true_cfg_scale"] = cfg.model.true_cfg_scale
-    if cfg.model.max_sequence_length is not None:
-        if is_toy(cfg):
-            raise ValueError("model.max_sequence_length does not apply to the toy model")
-        options["max_sequence_length"] = cfg.model.max_sequence_length
+    options = {"true_cfg_scale": m.true_cfg_scale, "max_sequence_length": m.max_sequence_length}
+    options = {k: v for k, v in options.items() if v not in (None, 1.0)}
+    takes = adapter_options(type(pipe))
+    for key in options:
+        if key not in takes:
+            raise ValueError(f"model.{key} does not apply to {type(pipe).__name__}")
     return build_adapter(pipe, **options)
 
 
 def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> Any:
-    from flowgrpo.config.schema import engine_config
+    """The engine reads its sections (lora, optim, loss, fsdp, ema, update, seed) from the
+    run config itself."""
     from flowgrpo.engine.fsdp import DiffusersFSDPEngine
 
-    return DiffusersFSDPEngine(adapter, engine_config(cfg), dist)
+    return DiffusersFSDPEngine(adapter, cfg, dist)
 
 
-def build_rewards(cfg: Any) -> Any:
-    """MultiReward from ``cfg.reward`` (list of RewardConfig {name, weight, options, ...})."""
-    from dataclasses import asdict, is_dataclass
-
+def build_rewards(specs: Any) -> Any:
+    """MultiReward from a list of RewardSpec (``cfg.reward`` or ``cfg.eval_reward``); None for
+    an empty list."""
     from flowgrpo.rewards import MultiReward
 
-    return MultiReward([asdict(r) if is_dataclass(r) else r for r in cfg.reward])
+    return MultiReward(specs) if specs else None
 
 
-def build_data(cfg: Any, dist: DistInfo) -> tuple[Any, Any, Any]:
+def build_data(cfg: Any) -> tuple[Any, Any, Any]:
     """(train PromptDataset, KRepeatSampler, eval PromptDataset with each eval prompt repeated
     ``data.eval_samples_per_prompt`` times)."""
     from flowgrpo.data.prompts import KRepeatSampler, prompt_splits, repeat_for_eval
@@ -114,12 +98,10 @@ def build_data(cfg: Any, dist: DistInfo) -> tuple[Any, Any, Any]:
         len(train),
         cfg.sample.prompts_per_step,
         cfg.sample.group_size,
-        world_size=dist.world_size,
-        rank=dist.rank,
         seed=cfg.seed,
         shuffle=cfg.data.shuffle,
     )
-    return train, sampler, repeat_for_eval(ev, max(1, cfg.data.eval_samples_per_prompt))
+    return train, sampler, repeat_for_eval(ev, cfg.data.eval_samples_per_prompt)
 
 
 def global_batch_size(cfg: Any) -> int:
@@ -127,20 +109,16 @@ def global_batch_size(cfg: Any) -> int:
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
-    from flowgrpo.config.schema import config_to_dict
+    from flowgrpo.config.loader import config_to_dict
 
     return config_to_dict(cfg)
 
 
 def shard(n: int, dist: DistInfo) -> tuple[int, int]:
-    """Equal contiguous share of n items for this rank: (start, count); n must divide."""
-    if n % dist.world_size:
-        raise ValueError(
-            f"the global batch ({n} images) must divide evenly over {dist.world_size} ranks: "
-            "adjust data.prompts_per_step or data.group_size"
-        )
-    count = n // dist.world_size
-    return dist.rank * count, count
+    """This rank's (start, count) of a step's n samples (``data.prompts.rank_slice``)."""
+    from flowgrpo.data.prompts import rank_slice
+
+    return rank_slice(n, dist.world_size, dist.rank)
 
 
 def padded_shard(n: int, dist: DistInfo) -> tuple[list[int], int]:
@@ -212,21 +190,6 @@ def new_run_id() -> str:
     from flowgrpo.engine.dist import all_gather_object
 
     return all_gather_object(uuid.uuid4().hex)[0]
-
-
-def toy_eval_metrics(
-    images: torch.Tensor, prompts: list[str], metadata: list[dict]
-) -> dict[str, float]:
-    """The toy's hacking-aware figures for images [N, 1, 8, 8]: reward-classifier accuracy,
-    independent judge (SVC) accuracy, and diversity (per-pixel std across seeds per digit)."""
-    from flowgrpo.rewards.digits import digits_accuracy, digits_judge, diversity, target_digits
-
-    digits = target_digits(prompts, metadata)
-    return {
-        "eval/accuracy": digits_accuracy(images, digits),
-        "eval/judge_accuracy": digits_judge(images, digits),
-        "eval/diversity": diversity(images, digits),
-    }
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -1,9 +1,11 @@
 """Adapter for the built-in toy digits model (``flowgrpo.toy.pipeline.ToyDigitsPipeline``).
 
+The registry maps the pipeline class to this adapter by import path (a string), so nothing
+below the toy package imports it.
+
 Latents are the images themselves, [B, 1, 8, 8] in [-1, 1]; prompts ("a handwritten 7") map to
 4 learned tokens [B, 4, 32] (no mask) plus a pooled vector [B, 32], "" to the unconditional
 entry; schedule = the pipeline's FlowMatchEulerDiscreteScheduler; timestep = sigma * 1000.
-The pipeline classes are re-exported here: ``from flowgrpo.models.toy import toy_pipeline``.
 """
 
 from __future__ import annotations
@@ -14,15 +16,7 @@ from typing import Any
 import torch
 
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
-from flowgrpo.toy.pipeline import (
-    ASSET_NAME,
-    EMPTY_ID,
-    IMAGE_SIZE,
-    ToyDigitsPipeline,
-    ToyTextEncoder,
-    parse_digit,
-    toy_pipeline,
-)
+from flowgrpo.toy.pipeline import EMPTY_ID, IMAGE_SIZE, ToyDigitsPipeline, parse_digit
 
 
 class ToyAdapter(DiffusionAdapter):
@@ -116,13 +110,4 @@ class ToyAdapter(DiffusionAdapter):
         return ((latents.float() + 1) / 2).clamp(0, 1).cpu()
 
 
-__all__ = [
-    "ASSET_NAME",
-    "EMPTY_ID",
-    "IMAGE_SIZE",
-    "ToyAdapter",
-    "ToyDigitsPipeline",
-    "ToyTextEncoder",
-    "parse_digit",
-    "toy_pipeline",
-]
+__all__ = ["ToyAdapter", "ToyDigitsPipeline"]

@@ -1,4 +1,5 @@
-"""Rewards and checks for the toy digits model (``flowgrpo.models.toy``).
+"""Rewards and checks for the toy digits model (``flowgrpo.toy``), registered by import path
+as ``digits`` (the training reward) and ``digits_eval`` (the eval-only scores).
 
 - ``digits_reward``: the probability, under a small MLP classifier (64-256-256-10, trained on
   scikit-learn's digits; weights shipped in ``flowgrpo/assets/digits_classifier.safetensors``),
@@ -7,6 +8,8 @@
   never sees, so reward hacking (images the MLP likes but are not digits) shows as a gap.
 - ``diversity``: mean per-pixel std across samples of the same digit (real data: 0.33), which
   falls when the policy collapses to one image per prompt.
+- ``digits_eval``: the three as per-sample scores for ``eval_reward`` (accuracy under the
+  reward classifier, accuracy under the judge, the sample's digit's diversity).
 
 Images are [B, C, H, W] floats in [0, 1] (C = 1 or 3; sizes other than 8x8 are average-pooled
 to 8x8).
@@ -99,7 +102,7 @@ def digit_probs(images: torch.Tensor, classifier: DigitsClassifier | None = None
 
 def target_digits(prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> list[int]:
     """metadata[i]["digit"] when present, else the digit parsed from prompts[i]."""
-    from flowgrpo.models.toy import parse_digit
+    from flowgrpo.toy.pipeline import parse_digit
 
     out = []
     for i, prompt in enumerate(prompts):
@@ -175,10 +178,35 @@ def diversity(images: torch.Tensor, digits: Sequence[int] | torch.Tensor | None 
     return float(torch.stack(stds).mean()) if stds else 0.0
 
 
+def digits_eval(
+    images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+) -> dict[str, torch.Tensor]:
+    """The toy's hacking-aware eval scores, per sample [B] each: ``accuracy`` (the reward
+    classifier's argmax is the prompt's digit), ``judge_accuracy`` (the independent SVC
+    agrees) and ``diversity`` (the per-pixel std across the samples of the sample's digit in
+    this batch; 0 for a digit with one sample). Means over an eval set equal
+    ``digits_accuracy``, ``digits_judge`` and ``diversity``; score the whole set at once."""
+    digits = torch.tensor(target_digits(prompts, metadata), dtype=torch.long)
+    accuracy = (digit_probs(images).argmax(-1) == digits).float()
+    judge = torch.as_tensor(_judge().predict(to_classifier_input(images).numpy()))
+    x = to_classifier_input(images)
+    spread = torch.zeros(len(digits))
+    for d in digits.unique():
+        rows = digits == d
+        if int(rows.sum()) > 1:
+            spread[rows] = x[rows].std(0, unbiased=False).mean()
+    return {
+        "accuracy": accuracy,
+        "judge_accuracy": (judge == digits).float(),
+        "diversity": spread,
+    }
+
+
 __all__ = [
     "DigitsClassifier",
     "digit_probs",
     "digits_accuracy",
+    "digits_eval",
     "digits_judge",
     "digits_reward",
     "diversity",

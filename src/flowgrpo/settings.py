@@ -1,0 +1,126 @@
+"""How a setting is declared: once, in its section's dataclass, with its help and its check.
+
+    @dataclass
+    class OptimConfig:
+        lr: float = setting(3e-4, "AdamW learning rate.", check=gt(0))
+
+``setting`` stores the help text and the range check in the field's metadata; ``check_section``
+walks a section (and the sections inside it), applies every field's check, rejects non-finite
+floats, then calls the section's own ``check()`` for rules that tie several fields together.
+The docs table and ``flowgrpo config show`` read the same help text. This module imports
+nothing of flowgrpo, so every layer (engine, config) can declare its sections with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line naming the key, what is allowed and what was given."""
+
+
+Check = tuple[str, Callable[[Any], bool]]  # (what is allowed, as words; the test)
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    check: Check | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A dataclass field with its one-line ``help`` and an optional ``check``."""
+    if not help:
+        raise ValueError("every setting needs its help text")
+    meta = {"help": help, "check": check}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def ge(bound: float, note: str = "") -> Check:
+    return (f">= {bound}{note}", lambda v: v >= bound)
+
+
+def gt(bound: float, note: str = "") -> Check:
+    return (f"> {bound}{note}", lambda v: v > bound)
+
+
+def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Check:
+    text = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+    def ok(v: float) -> bool:
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+    return (text, ok)
+
+
+def one_of(*choices: Any) -> Check:
+    return ("one of " + ", ".join(repr(c) for c in choices), lambda v: v in choices)
+
+
+def optional(check: Check, what: str = "null") -> Check:
+    """``check`` for a value that may also be None."""
+    text, ok = check
+    return (f"{text} or {what}", lambda v: v is None or ok(v))
+
+
+def need(ok: bool, key: str, allowed: str, value: Any) -> None:
+    """Raise ``ConfigError("config key 'KEY' must be ALLOWED, got VALUE")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"config key {key!r} must be {allowed}, got {value!r}")
+
+
+def help_of(section: type, name: str) -> str:
+    """The help text of field ``name`` of dataclass ``section``."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(section)}[name]
+
+
+def check_section(obj: Any, prefix: str = "") -> None:
+    """Apply every field's check (and the finite-float rule) to dataclass ``obj``, recursing
+    into nested sections and lists of them, then ``obj.check()`` if it defines one. Keys in
+    messages are ``prefix + field``. Raises the first ConfigError."""
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        _check_value(key, value)
+        check = f.metadata.get("check")
+        if check is not None:
+            allowed, ok = check
+            try:
+                passed = bool(ok(value))
+            except TypeError:
+                passed = False
+            need(passed, key, allowed, value)
+    own = getattr(obj, "check", None)
+    if callable(own):
+        own()
+
+
+def _check_value(key: str, value: Any) -> None:
+    if dataclasses.is_dataclass(value):
+        check_section(value, key + ".")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            label = getattr(v, "label", None)  # list entries with a name (rewards): key.NAME
+            _check_value(f"{key}.{label}" if isinstance(label, str) else f"{key}[{i}]", v)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+
+
+__all__ = [
+    "Check",
+    "ConfigError",
+    "between",
+    "check_section",
+    "ge",
+    "gt",
+    "help_of",
+    "need",
+    "one_of",
+    "optional",
+    "setting",
+]
