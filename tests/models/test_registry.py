@@ -22,7 +22,7 @@ def test_dispatch_table_resolves_names_and_subclasses():
     assert resolve_adapter_path(QwenImagePipeline) == "flowgrpo.models.qwen_image:QwenImageAdapter"
     assert resolve_adapter_path(StableDiffusion3Pipeline) == "flowgrpo.models.sd3:SD3Adapter"
     assert resolve_adapter_path(FluxPipeline) == "flowgrpo.models.flux:FluxAdapter"
-    assert SUPPORTED_PIPELINES["ToyDigitsPipeline"] == "flowgrpo.toy.adapter:ToyAdapter"
+    assert SUPPORTED_PIPELINES["ToyDigitsPipeline"] == "flowgrpo.toy.pipeline:ToyAdapter"
 
     class MyFlux(FluxPipeline):
         pass

@@ -106,3 +106,24 @@ def test_grid_layout_rows_are_prompts_columns_are_seeds():
     idx, cols = grid_layout(1000, 2)  # many prompts: the first seed of 64 prompts
     assert cols == 8 and idx == set(range(0, 128, 2))
     assert grid_layout(5, 1) == ({0, 1, 2, 3, 4}, 5)
+
+
+def test_the_progress_bar_ends_once_before_the_final_table(tmp_path, capsys, monkeypatch):
+    """Before: tqdm redrew the bar around each line of the final table (3 extra bars)."""
+    from flowgrpo.trainer.logging import write_final_report
+
+    monkeypatch.delenv("FLOWGRPO_NO_PROGRESS", raising=False)
+    log = RunLogger(tmp_path, total_steps=2, tensorboard=False, progress=True)
+    for step in (1, 2):
+        log.log_step({"step": step, "reward_mean": 0.5, "samples": 8 * step})
+    log.log_eval({"step": 2, "eval/reward_mean": 0.6})
+    capsys.readouterr()
+    summary = {"base": {"eval/reward_mean": 0.5}, "final": {"eval/reward_mean": 0.6}}
+    write_final_report(
+        tmp_path, torch.zeros(1, 1, 8, 8), 1, {**summary, "steps": 2, "wall_s": 1.0}, log
+    )
+    log.close()
+    out = capsys.readouterr()
+    assert out.err.count("2/2") == 1  # the bar's last state, printed once
+    assert out.err.rfind("2/2") < len(out.err) and "eval/reward_mean" in out.out
+    assert "\r" not in out.err.split("2/2", 1)[1]  # nothing redrawn after it

@@ -155,7 +155,8 @@ class DiffusionAdapter(ABC):
         width: int,
         guidance_scale: float,
     ) -> torch.Tensor:
-        """One unguided transformer call. latents: pipeline layout [B, ...] (fp32: cast to the
+        """One unguided transformer call (each family repeats this signature on purpose: one
+        adapter file per family). latents: pipeline layout [B, ...] (fp32: cast to the
         transformer's dtype here); sigma: [B] fp32. Returns the raw velocity in the transformer's
         output dtype, same shape as latents (never modified in place; ``velocity`` casts it)."""
 

@@ -19,7 +19,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "StableDiffusion3Pipeline": "flowgrpo.models.sd3:SD3Adapter",
     "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
     "WanPipeline": "flowgrpo.models.wan:WanAdapter",
-    "ToyDigitsPipeline": "flowgrpo.toy.adapter:ToyAdapter",
+    "ToyDigitsPipeline": "flowgrpo.toy.pipeline:ToyAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)

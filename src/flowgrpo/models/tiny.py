@@ -275,7 +275,12 @@ def _clip_text(cls, tok, hidden: int, proj: int | None):
 def _t5_encoder(tok, d_model: int):
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(
+    return T5EncoderModel(T5Config(**_t5_config(tok, d_model)))
+
+
+def _t5_config(tok, d_model: int) -> dict[str, Any]:
+    """The tiny T5-family encoder config shared by the T5 (SD3, FLUX) and UMT5 (Wan) ones."""
+    return dict(
         vocab_size=len(tok),
         d_model=d_model,
         d_kv=d_model // 2,
@@ -290,7 +295,6 @@ def _t5_encoder(tok, d_model: int):
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    return T5EncoderModel(cfg)
 
 
 def _kl_vae(shift: float, scale: float):
@@ -457,20 +461,8 @@ def _build_wan(tcfg: dict[str, Any], seeds, two_experts: bool = False) -> Any:
     torch.manual_seed(next(seeds))
     text_encoder = UMT5EncoderModel(
         UMT5Config(
-            vocab_size=len(tok),
-            d_model=d,
-            d_kv=d // 2,
-            d_ff=2 * d,
-            num_layers=2,
-            num_heads=2,
-            relative_attention_num_buckets=8,
+            **_t5_config(tok, d),
             relative_attention_max_distance=32,
-            dropout_rate=0.0,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
             decoder_start_token_id=tok.pad_token_id,
         )
     )

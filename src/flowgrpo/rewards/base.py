@@ -2,7 +2,7 @@
 
 A reward is a callable ``(images [B, C, H, W] float in [0, 1] on CPU, prompts list[str],
 metadata list[dict]) -> B floats`` (list, array or tensor) or ``dict key -> B floats``
-(contract 6 of DESIGN.md). Built-ins are registered lazily by name so that importing this
+(docs/rewards.md). Built-ins are registered lazily by name so that importing this
 module never imports transformers or onnxruntime.
 """
 

@@ -15,7 +15,7 @@ from typing import Any
 _EXPORTS = {
     "load_digits_data": "flowgrpo.toy.data",
     "digit_prompt_set": "flowgrpo.toy.data",
-    "ToyAdapter": "flowgrpo.toy.adapter",
+    "ToyAdapter": "flowgrpo.toy.pipeline",
     "digits_reward": "flowgrpo.toy.reward",
     "digits_eval": "flowgrpo.toy.reward",
     "digit_prompts": "flowgrpo.toy.eval",

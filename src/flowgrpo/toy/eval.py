@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from flowgrpo.toy.adapter import ToyAdapter
-from flowgrpo.toy.pipeline import IMAGE_SIZE, ToyDigitsPipeline
+from flowgrpo.toy.pipeline import IMAGE_SIZE, ToyAdapter, ToyDigitsPipeline
 
 
 def digit_prompts(samples_per_digit: int, template: str = "a handwritten {}") -> list[str]:

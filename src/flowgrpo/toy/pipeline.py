@@ -1,16 +1,19 @@
-"""The toy digits pipeline: prompt parsing, the tiny text encoder, save/load, shipped weights.
+"""The toy digits model: prompt parsing, the tiny text encoder, the pipeline (save/load, shipped
+weights) and its adapter, in one file as a model family is.
 
 ``ToyDigitsPipeline`` holds a real diffusers ``SD3Transformer2DModel`` (583k parameters, patch
 2, 16 image tokens), a tiny learned text encoder (``ToyTextEncoder``: 4 tokens of dim 32 plus a
 pooled vector per digit, and an extra entry for the empty prompt used by CFG) and a
 ``FlowMatchEulerDiscreteScheduler``. Latents ARE the images: [B, 1, 8, 8] in [-1, 1], no VAE.
-Its adapter is ``flowgrpo.toy.adapter.ToyAdapter``. The base model pretrained by
+Its adapter is ``ToyAdapter`` (below; the registry names it by import path, so nothing below
+the toy package imports it). The base model pretrained by
 ``flowgrpo toy pretrain`` ships as a pipeline directory, ``flowgrpo/assets/toy-digits``, which
 ``load_pipeline("builtin:toy-digits")`` loads like any model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from importlib import resources
@@ -19,6 +22,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.sd3 import SD3Adapter
 
 IMAGE_SIZE = 8
 NUM_DIGITS = 10
@@ -220,7 +226,6 @@ class ToyDigitsPipeline:
     ) -> torch.Tensor:
         """Euler ODE samples for ``prompts``: images [B, 1, 8, 8] in [0, 1] on CPU."""
         from flowgrpo.rollout.sampler import sample_trajectories
-        from flowgrpo.toy.adapter import ToyAdapter
 
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         traj = sample_trajectories(
@@ -234,6 +239,79 @@ class ToyDigitsPipeline:
             generator=generator,
         )
         return traj.images
+
+
+class ToyAdapter(DiffusionAdapter):
+    """Drives a ``ToyDigitsPipeline``: latents [B, 1, 8, 8] (the image in [-1, 1]), prompt
+    embeds [B, 4, 32] without mask plus pooled [B, 32], timestep = sigma * 1000."""
+
+    lora_target_modules = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
+
+    def __init__(self, pipe: Any):
+        super().__init__(pipe)
+        self.num_train_timesteps = int(pipe.scheduler.config.num_train_timesteps)
+
+    @staticmethod
+    def digits(prompts: list[str]) -> list[int | None]:
+        """Parsed digit per prompt (None for ""); raises ValueError on a prompt without one."""
+        return [parse_digit(p) for p in prompts]
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        ids = [EMPTY_ID if d is None else d for d in self.digits(list(prompts))]
+        enc = self.pipe.text_encoder
+        idx = torch.tensor(ids, dtype=torch.long, device=enc.tokens.device)
+        embeds, pooled = enc(idx)
+        return PromptEmbeds(embeds.detach().clone(), None, pooled.detach().clone()).to(
+            self.device, self.dtype
+        )
+
+    def _check_size(self, height: int, width: int) -> None:
+        if (height, width) != (IMAGE_SIZE, IMAGE_SIZE):
+            raise ValueError(
+                f"the toy model makes {IMAGE_SIZE}x{IMAGE_SIZE} images, got height={height}, "
+                f"width={width}"
+            )
+
+    def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self._check_size(height, width)
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return Schedule(scheduler.sigmas.float(), scheduler.timesteps.float())
+
+    def prepare_latents(
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """fp32 noise [B, 1, 8, 8] (one generator, or one per sample as diffusers' randn_tensor)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        self._check_size(height, width)
+        shape = (batch_size, 1, height, width)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    #: the toy's transformer is an SD3Transformer2DModel: the same call as SD3's (raw velocity
+    #: [B, 1, 8, 8], timestep = sigma * 1000 in fp32)
+    forward = SD3Adapter.forward
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Latents in [-1, 1] -> images [B, 1, 8, 8] fp32 in [0, 1] on CPU (clamped)."""
+        return ((latents.float() + 1) / 2).clamp(0, 1).cpu()
 
 
 def _plain(value: Any) -> Any:
@@ -253,6 +331,7 @@ def toy_pipeline(pretrained: bool = True, seed: int = 0) -> ToyDigitsPipeline:
 
 
 __all__ = [
+    "ToyAdapter",
     "SHIPPED",
     "EMPTY_ID",
     "IMAGE_SIZE",

@@ -1,7 +1,7 @@
 """A minimal Flow-GRPO loop on the toy model (no engine, no trainer): a sanity check that the
 shipped base model + digits reward + sampler + algo can raise the reward in a few steps.
 
-Settings follow REFERENCE.md's toy figures: 10 digits x K=16 images per step, SDE a = 0.7,
+Settings follow the toy-digits preset (README.md, docs/training.md): 10 digits x K=16 images per step, SDE a = 0.7,
 10 steps with the last one deterministic (9 trained), full fine-tune with AdamW 3e-4, one
 optimizer step per rollout, clip 1e-4, KL beta = 0.04 against a frozen copy of the base.
 ``python -m flowgrpo.toy.quickcheck --steps 20`` prints one line per step.
@@ -18,9 +18,8 @@ import torch
 
 from flowgrpo.algo import flow_grpo_loss, group_advantages, kl_penalty_image
 from flowgrpo.rollout.sampler import sample_trajectories, trajectory_log_prob
-from flowgrpo.toy.adapter import ToyAdapter
 from flowgrpo.toy.eval import digit_prompts, evaluate_toy
-from flowgrpo.toy.pipeline import IMAGE_SIZE, toy_pipeline
+from flowgrpo.toy.pipeline import IMAGE_SIZE, ToyAdapter, toy_pipeline
 from flowgrpo.toy.reward import digits_accuracy, digits_reward
 
 

@@ -68,17 +68,17 @@ def _asset(name: str):
 
 
 def load_classifier(path: str | Path | None = None) -> DigitsClassifier:
-    """The reward classifier in eval mode; ``path`` None = the shipped weights (trained in a few
-    seconds if they are missing)."""
+    """The reward classifier in eval mode; ``path`` None = the shipped weights."""
     from safetensors.torch import load_file
 
     model = DigitsClassifier()
     if path is None:
         with resources.as_file(_asset(CLASSIFIER_ASSET)) as shipped:
             if not shipped.is_file():
-                from flowgrpo.toy.pretrain import train_digits_classifier
-
-                return train_digits_classifier(None, verbose=False).eval()
+                raise FileNotFoundError(
+                    f"the shipped digits classifier {shipped} is missing: "
+                    "flowgrpo toy pretrain --out src/flowgrpo/assets --classifier writes it"
+                )
             state = load_file(str(shipped))
     else:
         if not Path(path).is_file():

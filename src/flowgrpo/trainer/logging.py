@@ -182,6 +182,7 @@ def write_final_report(
             )
         ),
     }
+    logger.close_progress()  # the bar ends once, above the table (not redrawn around it)
     logger.write(summary_table(summary["base"], summary["final"]))
     logger.write(f"{summary['steps']} steps, {summary['wall_s']:.0f} s, outputs in {out}")
     return paths
@@ -332,6 +333,12 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(nums, step=step)
 
+    def close_progress(self) -> None:
+        """Close the progress bar (idempotent): later ``write`` calls are plain prints."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -341,8 +348,7 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        if self._bar is not None:
-            self._bar.close()
+        self.close_progress()
 
 
 def _wandb_mode(value: str | bool | None) -> str | None:
