@@ -289,21 +289,30 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
 
 
 def bench_zero_advantage(s: BenchSettings, drop: float = 0.5) -> dict[str, float]:
-    """The engine's training step (tiny SD3, LoRA, CFG) when a share ``drop`` of the samples
+    """The Flow-GRPO update (tiny SD3, LoRA, CFG) when a share ``drop`` of the samples
     has advantage exactly 0 and is skipped, against every sample kept. The time should fall in
     proportion: ``time_ratio_over_kept_fraction`` ~ 1."""
-    from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig, init_distributed
-    from flowgrpo.engine.config import LoraConfig, UpdateConfig
+    from flowgrpo.config import config_from_dict
+    from flowgrpo.engine import init_distributed
     from flowgrpo.rollout import SDEWindow
+    from flowgrpo.trainer.setup import build_engine
 
-    init_distributed()
+    dist = init_distributed()
     batch = max(4, 2 * s.batch)
     _, adapter, _, _, _ = _setup("sd3", s)
-    cfg = EngineConfig(
-        lora=LoraConfig(rank=8, alpha=16),
-        update=UpdateConfig(micro_batch_size=2, num_minibatches=1),
+    cfg = config_from_dict(
+        {
+            "lora": {"rank": 8, "alpha": 16},
+            "update": {"micro_batch_size": 2, "num_minibatches": 1},
+            "fsdp": {"param_dtype": "fp32"},
+        }
     )
-    engine = DiffusersFSDPEngine(adapter, cfg)
+    engine, algorithm = build_engine(cfg, adapter, dist)
+    seeds = list(range(batch))
+
+    def train(advantages):
+        return algorithm.update(traj, advantages, step=1, sample_seeds=seeds)
+
     prompts = [f"a photo of a red cube number {i}" for i in range(batch)]
     gen = torch.Generator().manual_seed(0)
     latents = adapter.prepare_latents(batch, s.height, s.width, gen)
@@ -318,8 +327,8 @@ def bench_zero_advantage(s: BenchSettings, drop: float = 0.5) -> dict[str, float
     some[kept:] = 0.0
     t = median_times(
         {
-            "all": lambda: engine.train_step(traj, every),
-            "some": lambda: engine.train_step(traj, some),
+            "all": lambda: train(every),
+            "some": lambda: train(some),
         },
         repeats=s.repeats,
         warmup=s.warmup,

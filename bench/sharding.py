@@ -35,11 +35,11 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, settings["threads"] // world))
-    from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig
+    from flowgrpo.config import config_from_dict
     from flowgrpo.engine import dist as fdist
-    from flowgrpo.engine.config import FSDPConfig, LoraConfig, UpdateConfig
     from flowgrpo.models import build_adapter, tiny_pipeline
     from flowgrpo.rollout import SDEWindow, sample_trajectories
+    from flowgrpo.trainer.setup import build_engine
 
     info = fdist.init_distributed()
     adapter = build_adapter(tiny_pipeline("sd3"))
@@ -61,23 +61,20 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
     advantages = torch.linspace(-1, 1, batch)
     share = batch // world
     local = slice(rank * share, (rank + 1) * share)
-    engine = DiffusersFSDPEngine(
-        adapter,
-        EngineConfig(
-            lora=LoraConfig(enabled=False),
-            fsdp=FSDPConfig(
-                param_dtype="fp32", reshard_after_forward=settings.get("reshard", True)
-            ),
-            update=UpdateConfig(micro_batch_size=share, num_minibatches=1),
-        ),
-        info,
+    cfg = config_from_dict(
+        {
+            "lora": {"enabled": False},
+            "fsdp": {"param_dtype": "fp32", "reshard_after_forward": settings.get("reshard", True)},
+            "update": {"micro_batch_size": share, "num_minibatches": 1},
+        }
     )
+    _, algorithm = build_engine(cfg, adapter, info)
     traj_local, adv_local = traj.select(local), advantages[local]
     times = []
     for i in range(settings["warmup"] + settings["repeats"]):
         fdist.barrier()
         t0 = time.perf_counter()
-        engine.train_step(traj_local, adv_local)
+        algorithm.update(traj_local, adv_local, step=i + 1, sample_seeds=list(range(share)))
         fdist.barrier()
         if i >= settings["warmup"]:
             times.append(time.perf_counter() - t0)

@@ -56,7 +56,7 @@ def test_wrong_type_names_key_type_and_value(override: str, expected: str) -> No
     "overrides, expected",
     [
         (["sample.group_size=1"], "config key 'sample.group_size' must be >= 2"),
-        (["loss.clip_range=0"], "config key 'loss.clip_range' must be > 0, got 0.0"),
+        (["flow_grpo.clip_range=0"], "config key 'flow_grpo.clip_range' must be > 0, got 0.0"),
         (["sample.noise_level=-0.1"], "config key 'sample.noise_level' must be >= 0, got -0.1"),
         (["optim.lr=0"], "config key 'optim.lr' must be > 0, got 0.0"),
         (["sample.sde_type=ode"], "config key 'sample.sde_type' must be one of 'sde', 'cps'"),
@@ -81,7 +81,7 @@ def test_wrong_type_names_key_type_and_value(override: str, expected: str) -> No
             ["sample.num_steps=1", "sample.deterministic_last_step=false"],
             "'sample.num_steps' must be >= 2 with sde_type 'sde', got 1",
         ),
-        (["loss.cfg_grad=uncond"], "'loss.cfg_grad' must be one of 'both', 'cond_only'"),
+        (["flow_grpo.cfg_grad=uncond"], "'flow_grpo.cfg_grad' must be one of 'both', 'cond_only'"),
     ],
 )
 def test_out_of_range_names_key_and_range(overrides: list[str], expected: str) -> None:

@@ -21,7 +21,7 @@ def test_override_types() -> None:
         [
             "trainer.max_steps=2",
             "optim.lr=1e-4",  # PyYAML reads 1e-4 as a string: still a float here
-            "loss.kl_beta=0",  # int accepted for a float
+            "flow_grpo.kl_beta=0",  # int accepted for a float
             "run.wandb=true",
             "sample.window_hi=null",
             "model.path=none",
@@ -36,7 +36,7 @@ def test_override_types() -> None:
     )
     assert cfg.trainer.max_steps == 2 and isinstance(cfg.trainer.max_steps, int)
     assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float)
-    assert cfg.loss.kl_beta == 0.0 and isinstance(cfg.loss.kl_beta, float)
+    assert cfg.flow_grpo.kl_beta == 0.0 and isinstance(cfg.flow_grpo.kl_beta, float)
     assert cfg.run.wandb is True
     assert cfg.sample.window_hi is None and cfg.model.path is None
     assert cfg.lora.target_modules == ["to_q", "to_k"]
@@ -105,11 +105,11 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
         10,
         0.7,
     )
-    assert (toy.lora.enabled, toy.optim.lr, toy.loss.kl_beta) == (False, 3e-4, 0.04)
+    assert (toy.lora.enabled, toy.optim.lr, toy.flow_grpo.kl_beta) == (False, 3e-4, 0.04)
     assert toy.update.num_minibatches == 1 and toy.sample.guidance_scale == 1.0
     assert [r.name for r in toy.reward] == ["digits"] and toy.run.output_dir == "runs/toy-digits"
     sd3 = cfgs["sd3-ocr"]
-    assert (sd3.sample.group_size, sd3.sample.guidance_scale, sd3.loss.kl_beta) == (24, 4.5, 0.04)
+    assert (sd3.sample.group_size, sd3.sample.guidance_scale, sd3.flow_grpo.kl_beta) == (24, 4.5, 0.04)
     assert (sd3.sample.eval_num_steps, sd3.ema.enabled, sd3.reward[0].name) == (40, True, "ocr")
     qwen = cfgs["qwen-image-ocr"]
     assert (qwen.sample.noise_level, qwen.sample.window_size, qwen.sample.window_hi) == (1.2, 2, 5)
@@ -120,7 +120,7 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
         28,
         0.9,
     )
-    assert flux.reward[0].name == "pickscore" and flux.loss.kl_beta == 0.0
+    assert flux.reward[0].name == "pickscore" and flux.flow_grpo.kl_beta == 0.0
     for cfg in cfgs.values():
         assert cfg.sample.eval_guidance_scale == cfg.sample.guidance_scale  # resolved from null
 
@@ -154,7 +154,7 @@ def test_the_engine_reads_the_run_config_itself() -> None:
     )
     assert (cfg.update.micro_batch_size, cfg.update.num_minibatches, cfg.seed) == (8, 2, 9)
     assert cfg.optim.total_steps == 100 and cfg.fsdp.param_dtype == "fp16"
-    assert cfg.lora.rank == 32 and cfg.loss.kl_beta == 0.04 and cfg.ema.enabled
+    assert cfg.lora.rank == 32 and cfg.flow_grpo.kl_beta == 0.04 and cfg.ema.enabled
     explicit = load_config(None, ["optim.lr_schedule=cosine", "optim.total_steps=7"])
     assert explicit.optim.total_steps == 7 and explicit.fsdp.param_dtype == "fp32"
     assert Config().run.output_dir == "runs/{preset}"

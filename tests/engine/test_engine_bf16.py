@@ -9,7 +9,6 @@ import tinymodel as tm
 import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
-from flowgrpo.engine import DiffusersFSDPEngine
 from flowgrpo.models.sd3 import SD3Adapter
 from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
@@ -41,11 +40,11 @@ def test_bf16_engine_first_update_sees_ratio_one(dist1, mode):
     adapter = SD3Adapter(pipe, max_sequence_length=8)
     cfg = tm.make_config(mode, **{"update.micro_batch_size": 4})
     cfg.fsdp.param_dtype = "bf16"
-    engine = DiffusersFSDPEngine(adapter, cfg)
+    engine = tm.engine_for(adapter, cfg)
     with torch.no_grad():
         traj = _rollout(adapter, engine.transformer)
     assert traj.latents.dtype == torch.float32
-    metrics = engine.train_step(traj, ADVANTAGES)
+    metrics = tm.train_step(engine, traj, ADVANTAGES)
     assert metrics["approx_kl"] == 0.0 and metrics["approx_kl_k2"] == 0.0, metrics
     assert metrics["clipfrac"] == 0.0
     assert abs(metrics["ratio_mean"] - 1.0) < 1e-12
@@ -59,7 +58,7 @@ def _engine_grads(engine, traj, adv) -> list[torch.Tensor]:
 
     engine.optimizer.zero_grad(set_to_none=True)
     for k in range(traj.num_train_steps):
-        engine._loss(traj, adv, k)[0].backward()
+        tm.flow_grpo(engine).step_loss(traj, adv, k)[0].backward()
     grads = [p.grad for p in engine.params]
     return [(g.full_tensor() if isinstance(g, DTensor) else g).clone() for g in grads]
 
@@ -70,7 +69,7 @@ def test_engine_cfg_grad_setting_reaches_the_loss(dist1):
     grads, traj = {}, None
     for cfg_grad in ("both", "cond_only"):
         adapter = SD3Adapter(tiny_pipeline("sd3"), max_sequence_length=8)
-        engine = DiffusersFSDPEngine(adapter, tm.make_config("lora", **{"loss.cfg_grad": cfg_grad}))
+        engine = tm.engine_for(adapter, tm.make_config("lora", **{"flow_grpo.cfg_grad": cfg_grad}))
         if traj is None:
             with torch.no_grad():
                 traj = _rollout(adapter, engine.transformer)

@@ -21,16 +21,15 @@ def test_latest_checkpoint_needs_marker_and_ignores_tmp(tmp_path):
 
 
 def test_interrupted_save_leaves_previous_loadable(dist1, tiny_traj, tmp_path, monkeypatch):
-    from flowgrpo.engine import DiffusersFSDPEngine
 
     traj, adv = tiny_traj.select([0, 1]), tm.ADVANTAGES[:2]
     cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
-    engine.train_step(traj, adv)
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
+    tm.train_step(engine, traj, adv)
     saved = tm.trainable(engine)
     first = save_checkpoint(engine, tmp_path, 1, extra={"epoch": 1})
     assert first == tmp_path / "step_1" and (first / ckpt_mod.MARKER).is_file()
-    engine.train_step(traj, adv)
+    tm.train_step(engine, traj, adv)
 
     class Killed(BaseException):  # a kill -9 mid-save: nothing gets to clean up
         pass
@@ -48,7 +47,7 @@ def test_interrupted_save_leaves_previous_loadable(dist1, tiny_traj, tmp_path, m
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(engine, tmp_path / "step_2.tmp")
 
-    fresh = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    fresh = tm.engine_for(tm.TinyAdapter(), cfg)
     assert load_checkpoint(fresh, tmp_path) == (1, {"epoch": 1})
     after = tm.trainable(fresh)
     assert max((after[k] - saved[k]).abs().max().item() for k in saved) == 0.0
@@ -62,11 +61,10 @@ def test_interrupted_save_leaves_previous_loadable(dist1, tiny_traj, tmp_path, m
 
 
 def test_load_rejects_lora_full_mismatch(dist1, tiny_traj, tmp_path):
-    from flowgrpo.engine import DiffusersFSDPEngine
 
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("clip"))
+    engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("clip"))
     save_checkpoint(engine, tmp_path, 0)
-    full = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("full", **{"loss.kl_beta": 0.0}))
+    full = tm.engine_for(tm.TinyAdapter(), tm.make_config("full", **{"flow_grpo.kl_beta": 0.0}))
     with pytest.raises(ValueError, match="lora"):
         load_checkpoint(full, tmp_path)
 
@@ -89,11 +87,9 @@ def test_tampered_checkpoint_is_refused_and_runs_nothing(dist1, tiny_traj, tmp_p
 
     import torch
 
-    from flowgrpo.engine import DiffusersFSDPEngine
-
     cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
-    engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
+    tm.train_step(engine, tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
     ckpt = save_checkpoint(engine, tmp_path / "ckpt", 1)
     marker = tmp_path / "pwned"
     with open(ckpt / name, "wb") as f:
@@ -102,7 +98,7 @@ def test_tampered_checkpoint_is_refused_and_runs_nothing(dist1, tiny_traj, tmp_p
         else:  # DCP writes .metadata with plain pickle
             pickle.dump(_Payload(marker), f)
 
-    fresh = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    fresh = tm.engine_for(tm.TinyAdapter(), cfg)
     before = tm.trainable(fresh)
     with pytest.raises(ValueError) as err:
         load_checkpoint(fresh, ckpt)
@@ -117,17 +113,16 @@ def test_tampered_checkpoint_is_refused_and_runs_nothing(dist1, tiny_traj, tmp_p
 def test_tampered_dcp_entry_is_refused(dist1, tiny_traj, tmp_path):
     """DCP stores non-tensor state (the optimizer's hyper-parameters) as pickles of its own,
     which its default planner loads with weights_only=False."""
-    from flowgrpo.engine import DiffusersFSDPEngine
 
     cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
-    engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
+    tm.train_step(engine, tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
     marker = tmp_path / "pwned"
     engine.optimizer.param_groups[0]["eps"] = _Payload(marker)
     ckpt = save_checkpoint(engine, tmp_path / "ckpt", 0)
     assert not marker.exists()
     with pytest.raises(ValueError, match=r"refusing to load .*step_0 \(entry 'optim\..*eps'\)"):
-        load_checkpoint(DiffusersFSDPEngine(tm.TinyAdapter(), cfg), ckpt)
+        load_checkpoint(tm.engine_for(tm.TinyAdapter(), cfg), ckpt)
     assert not marker.exists()
 
 
@@ -138,9 +133,7 @@ def test_rng_file_of_older_checkpoints_still_loads(dist1, tmp_path):
     import numpy as np
     import torch
 
-    from flowgrpo.engine import DiffusersFSDPEngine
-
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("clip"))
+    engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("clip"))
     ckpt = save_checkpoint(engine, tmp_path, 0)
     random.seed(5), np.random.seed(6), torch.manual_seed(7)
     old = {
@@ -161,15 +154,14 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(dist1, tiny_tra
     import errno
     from unittest import mock
 
-    from flowgrpo.engine import DiffusersFSDPEngine
     from flowgrpo.errors import RunError
 
     traj, adv = tiny_traj.select([0, 1]), tm.ADVANTAGES[:2]
     cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
-    engine.train_step(traj, adv)
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
+    tm.train_step(engine, traj, adv)
     first = save_checkpoint(engine, tmp_path, 1, extra={"epoch": 1})
-    engine.train_step(traj, adv)
+    tm.train_step(engine, traj, adv)
     real_save = torch.save
 
     def full(obj, f, *a, **k):
@@ -183,13 +175,12 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(dist1, tiny_tra
     assert "\n" not in msg and "No space left on device" in msg and "step_2.tmp" in msg
     assert not (tmp_path / "step_2.tmp").exists() and not (tmp_path / "step_2").exists()
     assert latest_checkpoint(tmp_path) == first
-    assert load_checkpoint(DiffusersFSDPEngine(tm.TinyAdapter(), cfg), tmp_path)[0] == 1
+    assert load_checkpoint(tm.engine_for(tm.TinyAdapter(), cfg), tmp_path)[0] == 1
 
 
 def test_pruning_never_touches_another_runs_checkpoints(dist1, tiny_traj, tmp_path):
-    from flowgrpo.engine import DiffusersFSDPEngine
 
-    engine = DiffusersFSDPEngine(
+    engine = tm.engine_for(
         tm.TinyAdapter(), tm.make_config("clip", **{"update.micro_batch_size": 2})
     )
     for step in (3, 4):

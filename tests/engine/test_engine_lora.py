@@ -26,9 +26,9 @@ def _velocity(adapter, transformer, traj, step=0):
 @pytest.fixture(scope="module")
 def trained(dist1, tiny_traj):
     adapter = tm.TinyAdapter()
-    engine = DiffusersFSDPEngine(adapter, tm.make_config("lora"))
+    engine = tm.engine_for(adapter, tm.make_config("lora"))
     for _ in range(2):
-        engine.train_step(tiny_traj, tm.ADVANTAGES)
+        tm.train_step(engine, tiny_traj, tm.ADVANTAGES)
     return adapter, engine
 
 
@@ -105,9 +105,9 @@ def test_non_finite_loss_skips_and_then_raises(dist1, tiny_traj):
     cfg = tm.make_config(
         "clip", **{"optim.max_consecutive_skips": 2}, **{"update.micro_batch_size": 2}
     )
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
     before = tm.trainable(engine)
-    metrics = engine.train_step(traj, torch.tensor([float("nan"), 1.0]))
+    metrics = tm.train_step(engine, traj, torch.tensor([float("nan"), 1.0]))
     assert metrics["skipped"] == 1.0 and metrics["optimizer_steps"] == 0.0
     assert engine.optimizer_steps == 0 and engine.consecutive_skips == 1
     after = tm.trainable(engine)
@@ -115,7 +115,7 @@ def test_non_finite_loss_skips_and_then_raises(dist1, tiny_traj):
     assert all(p.grad is None for p in engine.params)
     assert not engine.optimizer.state  # AdamW never stepped
     with pytest.raises(TrainingDiverged, match="2 consecutive non-finite updates"):
-        engine.train_step(traj, torch.tensor([1.0, float("inf")]) * 0 + float("nan"))
+        tm.train_step(engine, traj, torch.tensor([1.0, float("inf")]) * 0 + float("nan"))
 
 
 def test_update_that_would_overflow_is_never_applied(dist1, tiny_traj, tmp_path):
@@ -125,15 +125,15 @@ def test_update_that_would_overflow_is_never_applied(dist1, tiny_traj, tmp_path)
     with one line naming the cause."""
     cfg = tm.make_config("lora", **{"optim.max_consecutive_skips": 2})
     cfg.optim.lr, cfg.optim.lr_schedule = 1e39, "constant"
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), cfg)
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
     before = tm.trainable(engine)
-    metrics = engine.train_step(tiny_traj, tm.ADVANTAGES)
+    metrics = tm.train_step(engine, tiny_traj, tm.ADVANTAGES)
     assert metrics["skipped"] == 1.0 and torch.isfinite(torch.tensor(metrics["loss"]))
     after = tm.trainable(engine)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not engine.optimizer.state and engine.optimizer_steps == 0
     with pytest.raises(TrainingDiverged, match=r"lower optim.lr \(now 1e\+39\)"):
-        engine.train_step(tiny_traj, tm.ADVANTAGES)
+        tm.train_step(engine, tiny_traj, tm.ADVANTAGES)
 
 
 def test_update_check_sees_moment_overflow_and_checkpoints_refuse_non_finite(
@@ -144,9 +144,9 @@ def test_update_check_sees_moment_overflow_and_checkpoints_refuse_non_finite(
     are not finite are never checkpointed."""
     from flowgrpo.engine import save_checkpoint
 
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora"))
+    engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("lora"))
     for k in range(tiny_traj.num_train_steps):
-        engine._loss(tiny_traj, tm.ADVANTAGES, k)[0].backward()
+        tm.flow_grpo(engine).step_loss(tiny_traj, tm.ADVANTAGES, k)[0].backward()
     assert engine._update_is_finite()
     local(engine.params[0].grad).fill_(1e21)  # finite; (1 - beta2) times its square is not
     assert not engine._update_is_finite()
@@ -167,8 +167,8 @@ def test_config_errors_name_the_field(dist1):
     with pytest.raises(ValueError, match="lr_schedule"):
         EngineConfig(optim=OptimConfig(lr_schedule="linear")).validate()
     with pytest.raises(ValueError, match="advantages"):
-        engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("clip"))
-        engine.train_step(tm.make_trajectory(tm.TinyAdapter()), torch.zeros(3))
+        engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("clip"))
+        tm.train_step(engine, tm.make_trajectory(tm.TinyAdapter()), torch.zeros(3))
 
 
 def _sd3_inputs(adapter):
@@ -230,8 +230,8 @@ def test_lora_export_and_full_export_load_in_diffusers(dist1, tmp_path):
 
 def test_bf16_compute_keeps_fp32_master_weights_and_output(dist1, tiny_traj):
     adapter = tm.TinyAdapter()
-    engine = DiffusersFSDPEngine(adapter, tm.make_config("clip", **{"fsdp.param_dtype": "bf16"}))
-    metrics = engine.train_step(tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
+    engine = tm.engine_for(adapter, tm.make_config("clip", **{"fsdp.param_dtype": "bf16"}))
+    metrics = tm.train_step(engine, tiny_traj.select([0, 1]), tm.ADVANTAGES[:2])
     assert metrics["skipped"] == 0.0
     assert {p.dtype for p in engine.params} == {torch.float32}
     v = _velocity(adapter, engine.transformer, tiny_traj)
@@ -249,12 +249,12 @@ def test_zero_advantage_samples_are_dropped(dist1, tiny_traj):
     runs = {
         "skip": (tiny_traj, adv, {}),
         "kept_only": (tiny_traj.select(kept), adv[kept], {}),
-        "no_skip": (tiny_traj, adv, {"loss.skip_zero_advantage": False}),
+        "no_skip": (tiny_traj, adv, {"flow_grpo.skip_zero_advantage": False}),
     }
     params, metrics = {}, {}
     for name, (traj, a, over) in runs.items():
-        engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora", **over))
-        metrics[name] = engine.train_step(traj, a)
+        engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("lora", **over))
+        metrics[name] = tm.train_step(engine, traj, a)
         params[name] = tm.trainable(engine)
     diff = max((params["skip"][k] - params["kept_only"][k]).abs().max() for k in params["skip"])
     assert diff < 1e-6
@@ -263,9 +263,9 @@ def test_zero_advantage_samples_are_dropped(dist1, tiny_traj):
     # keeping them dilutes the policy gradient and adds their KL: a different update
     moved = max((params["skip"][k] - params["no_skip"][k]).abs().max() for k in params["skip"])
     assert moved > 1e-4
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora"))
+    engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("lora"))
     before = tm.trainable(engine)
-    m = engine.train_step(tiny_traj, torch.zeros(4))
+    m = tm.train_step(engine, tiny_traj, torch.zeros(4))
     assert m["optimizer_steps"] == 0 and m["samples_trained"] == 0 and engine.optimizer_steps == 0
     after = tm.trainable(engine)
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -118,14 +118,14 @@ def test_hsdp_replicated_mesh_matches(sharded, single):
 def test_resume_equals_uninterrupted(dist1, tiny_traj, work, sharded, single, source):
     """Saved after 2 steps (ckpt1: 1 process, ckpt2: 2 ranks), loaded into a fresh 1-process
     engine, 2 more steps == 4 uninterrupted steps (params, EMA, LR, counters)."""
-    from flowgrpo.engine import DiffusersFSDPEngine, latest_checkpoint, load_checkpoint
+    from flowgrpo.engine import latest_checkpoint, load_checkpoint
 
     ckpt = latest_checkpoint(work / source)
     assert ckpt is not None and ckpt.name == "step_2"
-    engine = DiffusersFSDPEngine(tm.TinyAdapter(), tm.make_config("lora"))
+    engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("lora"))
     step, extra = load_checkpoint(engine, work / source)
     assert (step, extra, engine.step, engine.optimizer_steps) == (2, {"pos": 2}, 2, 2)
-    metrics = [engine.train_step(tiny_traj, tm.ADVANTAGES) for _ in range(2)]
+    metrics = [tm.train_step(engine, tiny_traj, tm.ADVANTAGES) for _ in range(2)]
     want = single["lora"]
     diff = _max_diff(tm.trainable(engine), want["params@4"])
     print(f"resume from {source}: max diff vs uninterrupted = {diff:.2e}")

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from flowgrpo.engine.config import EngineConfig as EngineConfigBase
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
 
 HERE = Path(__file__).resolve().parent
@@ -99,20 +102,24 @@ ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
 ZERO_HALF = torch.tensor([1.0, -0.5, 0.0, 0.0])
 
 
+@dataclass
+class RunSections(EngineConfigBase):
+    """What the engine and the Flow-GRPO algorithm read: the engine's sections plus the
+    update and flow_grpo ones (the run config has them all)."""
+
+    update: Any = None
+    flow_grpo: Any = None
+
+
 def make_config(case: str, **over):
-    """Engine configs of the sharded/unsharded comparison cases."""
-    from flowgrpo.engine import (
-        EMAConfig,
-        EngineConfig,
-        LoraConfig,
-        LossConfig,
-        OptimConfig,
-        UpdateConfig,
-    )
+    """Configs of the sharded/unsharded comparison cases (engine + Flow-GRPO sections)."""
+    from flowgrpo.algorithms.base import UpdateConfig
+    from flowgrpo.algorithms.flow_grpo import FlowGRPOConfig
+    from flowgrpo.engine import EMAConfig, LoraConfig, OptimConfig
 
     lora = LoraConfig(enabled=case != "full", rank=4, alpha=8, init="gaussian")
     # clip_range 0.5 so later optimizer steps (ratio != 1) still carry gradient
-    loss = LossConfig(clip_range=0.5, kl_beta=0.05 if case in ("lora", "full") else 0.0)
+    algo = FlowGRPOConfig(clip_range=0.5, kl_beta=0.05 if case in ("lora", "full") else 0.0)
     optim = OptimConfig(lr=1e-2, max_grad_norm=1e6, weight_decay=0.0)
     if case == "clip":  # eps >> |grad| makes AdamW ~ SGD, so the update scales with the clipping
         optim.max_grad_norm, optim.eps = 1e-3, 1.0
@@ -122,11 +129,33 @@ def make_config(case: str, **over):
         optim.lr_schedule, optim.warmup_steps, optim.total_steps = "cosine", 1, 6
     ema = EMAConfig(enabled=case == "lora", decay=0.9, update_every=1)
     update = UpdateConfig(micro_batch_size=2, num_minibatches=1)
-    cfg = EngineConfig(lora=lora, optim=optim, loss=loss, ema=ema, update=update, seed=3)
+    cfg = RunSections(lora=lora, optim=optim, ema=ema, seed=3, update=update, flow_grpo=algo)
     for k, v in over.items():
         section, _, field = k.partition(".")
         setattr(getattr(cfg, section), field, v) if field else setattr(cfg, k, v)
     return cfg
+
+
+def engine_for(adapter, cfg):
+    """The engine, with a reference copy when Flow-GRPO's KL needs one (as the trainer does)."""
+    from flowgrpo.engine import DiffusersFSDPEngine
+
+    return DiffusersFSDPEngine(adapter, cfg, reference=cfg.flow_grpo.kl_beta > 0)
+
+
+def flow_grpo(engine):
+    """The Flow-GRPO algorithm over ``engine`` (one per engine)."""
+    from flowgrpo.algorithms.flow_grpo import FlowGRPO
+
+    if not hasattr(engine, "_test_algo"):
+        engine._test_algo = FlowGRPO(engine.config, engine, engine.adapter)
+    return engine._test_algo
+
+
+def train_step(engine, traj, advantages) -> dict:
+    """One Flow-GRPO update of ``engine`` on ``traj`` (what the trainer's step calls)."""
+    seeds = list(range(len(traj)))
+    return flow_grpo(engine).update(traj, advantages, step=engine.step + 1, sample_seeds=seeds)
 
 
 def trainable(engine) -> dict[str, torch.Tensor]:
@@ -186,14 +215,14 @@ def run_case(
 ) -> dict:
     """Build a fresh engine, train ``steps`` calls, optionally save at ``save_at``; returns
     {"params@k": ..., "metrics": [...], "ema@k": ...} for k in ``snapshots``."""
-    from flowgrpo.engine import DiffusersFSDPEngine, save_checkpoint
+    from flowgrpo.engine import save_checkpoint
 
-    engine = DiffusersFSDPEngine(TinyAdapter(), make_config(case, **over))
+    engine = engine_for(TinyAdapter(), make_config(case, **over))
     out: dict = {"metrics": []}
     if 0 in snapshots:
         out["params@0"] = trainable(engine)
     for k in range(1, steps + 1):
-        out["metrics"].append(engine.train_step(traj, adv))
+        out["metrics"].append(train_step(engine, traj, adv))
         if k in snapshots:
             out[f"params@{k}"] = trainable(engine)
             if engine.ema is not None:
@@ -256,8 +285,7 @@ _INITIAL: dict = {}
 
 def trainable_initial(case: str) -> dict[str, torch.Tensor]:
     """Trainable params of a fresh engine of ``case`` before any step (cached)."""
-    from flowgrpo.engine import DiffusersFSDPEngine
 
     if case not in _INITIAL:
-        _INITIAL[case] = trainable(DiffusersFSDPEngine(TinyAdapter(), make_config(case)))
+        _INITIAL[case] = trainable(engine_for(TinyAdapter(), make_config(case)))
     return _INITIAL[case]

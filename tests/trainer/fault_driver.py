@@ -35,7 +35,8 @@ def main() -> int:
     assert sep == "--"
     hit = int(hit)
     from flowgrpo import cli
-    from flowgrpo.engine import checkpoint, fsdp
+    from flowgrpo.algorithms import flow_grpo as flow_grpo_algo
+    from flowgrpo.engine import checkpoint
     from flowgrpo.trainer import flow_grpo
 
     if point == "none":
@@ -43,7 +44,7 @@ def main() -> int:
     elif point == "rollout":
         kill_on(flow_grpo, "sample_trajectories", hit)
     elif point == "train":
-        kill_on(fsdp.DiffusersFSDPEngine, "_loss", hit)
+        kill_on(flow_grpo_algo.FlowGRPO, "step_loss", hit)
     elif point == "save":
         kill_on(checkpoint, "_write_marker", hit)
     elif point == "eval":

@@ -1,6 +1,8 @@
 """Run configuration: one dataclass per section (``schema``), presets and ``key=value``
 overrides (``loader``), the checks that need the disk (``validate``)."""
 
+from flowgrpo.algorithms.base import UpdateConfig
+from flowgrpo.algorithms.flow_grpo import FlowGRPOConfig
 from flowgrpo.config.loader import (
     config_from_dict,
     config_to_dict,
@@ -20,14 +22,7 @@ from flowgrpo.config.schema import (
     TrainerConfig,
 )
 from flowgrpo.config.validate import validate
-from flowgrpo.engine.config import (
-    EMAConfig,
-    FSDPConfig,
-    LoraConfig,
-    LossConfig,
-    OptimConfig,
-    UpdateConfig,
-)
+from flowgrpo.engine.config import EMAConfig, FSDPConfig, LoraConfig, OptimConfig
 from flowgrpo.rewards.spec import RewardSpec
 from flowgrpo.settings import ConfigError
 
@@ -40,7 +35,7 @@ __all__ = [
     "EMAConfig",
     "FSDPConfig",
     "LoraConfig",
-    "LossConfig",
+    "FlowGRPOConfig",
     "ModelConfig",
     "OptimConfig",
     "RewardSpec",

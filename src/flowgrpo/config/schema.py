@@ -3,8 +3,9 @@
 Every field is a ``flowgrpo.settings.setting``: its default, its one-line help (the docs table
 and ``flowgrpo config show`` print it) and its range check live together; rules that tie
 fields together are the section's ``check()``. The engine's sections (``lora``, ``optim``,
-``loss``, ``fsdp``, ``ema``, ``update``) are declared in ``flowgrpo.engine.config`` and read
-by the engine from this config directly. Parsing is ``loader.py``; checks that need the disk
+``fsdp``, ``ema``) are declared in ``flowgrpo.engine.config`` and read by the engine from this
+config directly; the algorithms' (``update`` and one section per algorithm) in
+``flowgrpo.algorithms``. Parsing is ``loader.py``; checks that need the disk
 are ``validate.py``.
 """
 
@@ -13,15 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
-from flowgrpo.engine.config import (
-    DTYPES,
-    EMAConfig,
-    FSDPConfig,
-    LoraConfig,
-    LossConfig,
-    OptimConfig,
-    UpdateConfig,
-)
+from flowgrpo.algorithms import ALGORITHMS
+from flowgrpo.algorithms.base import UpdateConfig
+from flowgrpo.algorithms.flow_grpo import FlowGRPOConfig
+from flowgrpo.algorithms.grpo_guard import GRPOGuardConfig
+from flowgrpo.algorithms.mix_grpo import MixGRPOConfig
+from flowgrpo.algorithms.nft import NFTConfig
+from flowgrpo.engine.config import DTYPES, EMAConfig, FSDPConfig, LoraConfig, OptimConfig
 from flowgrpo.rewards.spec import RewardSpec, check_labels
 from flowgrpo.settings import (
     ConfigError,
@@ -285,6 +284,12 @@ class Config:
     preset: str | None = setting(
         None, "Where the config came from (set by load_config; informational)."
     )
+    algorithm: str = setting(
+        "flow_grpo",
+        "The RL algorithm: `flow_grpo`, `mix_grpo`, `grpo_guard` or `nft`; its settings are "
+        "the section of the same name (docs/algorithms.md).",
+        check=one_of(*ALGORITHMS),
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -301,9 +306,12 @@ class Config:
     )
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    flow_grpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
+    grpo_guard: GRPOGuardConfig = field(default_factory=GRPOGuardConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -3,7 +3,8 @@
 Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when complete):
 
 - DCP shards (``*.distcp`` + ``.metadata``): ``model`` (LoRA params only under LoRA, else all),
-  ``optim`` (AdamW state, keyed by param name), ``ema`` (EMA shadows, when enabled). DCP stores
+  ``optim`` (AdamW state, keyed by param name), ``ema`` (EMA shadows, when enabled),
+  ``shadow.<name>`` (an algorithm's copies of the params, e.g. DiffusionNFT's old policy). DCP stores
   them by global tensor, so a checkpoint written by W ranks loads into any world size.
 - ``engine_state.pt``: step counters, LR scheduler, the engine's shuffle-generator state.
 - ``rng/rank_<r>.pt``: python, numpy, torch (and CUDA) RNG states of every rank.
@@ -59,6 +60,8 @@ def _dcp_state(engine) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if engine.ema is not None:
         state["ema"] = engine.ema.state_dict(engine.param_names)
+    for name, shadow in engine.shadows.items():  # the algorithms' (an old policy)
+        state[f"shadow.{name}"] = shadow.state_dict(engine.param_names)
     return state
 
 
@@ -221,6 +224,7 @@ def _write_files(engine, tmp: Path, step: int, extra: dict | None, run_id: str |
         "world_size": engine.dist.world_size,
         "lora": engine.use_lora,
         "ema": engine.ema is not None,
+        "shadows": sorted(engine.shadows),
         "run_id": run_id,
         "time": time.time(),
     }
@@ -361,6 +365,12 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
         warnings.warn(f"{path} holds EMA weights but EMA is off: ignoring them", stacklevel=2)
     if not meta["ema"]:
         state.pop("ema", None)
+    for name in engine.shadows:
+        if name not in meta.get("shadows", []):  # e.g. another algorithm wrote it
+            warnings.warn(
+                f"{path} holds no '{name}' copy: starting it from the loaded weights", stacklevel=2
+            )
+            state.pop(f"shadow.{name}")
     try:
         dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyPlanner(path))
     except CheckpointException as e:  # DCP wraps every rank's error in a multi-line report
@@ -375,6 +385,11 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
         optim_state_dict=state["optim"],
         options=_options(engine),
     )
+    for name, shadow in engine.shadows.items():
+        if f"shadow.{name}" in state:
+            shadow.load_state_dict(state[f"shadow.{name}"], engine.param_names)
+        else:
+            shadow.reset_()
     if engine.ema is not None:
         if "ema" in state:
             engine.ema.load_state_dict(state["ema"], engine.param_names)

@@ -1,7 +1,7 @@
 """The engine's config sections: each setting declared once, with its help and its check.
 
 The run config (``flowgrpo.config.Config``) holds these very sections (``lora``, ``optim``,
-``loss``, ``fsdp``, ``ema``, ``update``); the engine reads them from it directly. Standalone
+``fsdp``, ``ema``); the engine reads them from it directly. Standalone
 users and tests build an ``EngineConfig``, which holds the same sections and nothing else.
 """
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from flowgrpo.settings import between, check_section, ge, gt, need, one_of, setting
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
-CFG_GRAD_MODES = ("both", "cond_only")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -65,35 +64,6 @@ class OptimConfig:
 
 
 @dataclass
-class LossConfig:
-    """The Flow-GRPO objective: clipped surrogate + kl_beta * KL(policy || reference)."""
-
-    clip_range: float = setting(
-        1e-4,
-        "PPO ratio clip epsilon (log-probs are per-dimension means, hence tiny).",
-        check=gt(0),
-    )
-    adv_clip_max: float = setting(5.0, "Advantages are clamped to +-this.", check=gt(0))
-    kl_beta: float = setting(
-        0.0,
-        "Weight of KL(policy || reference) (reference = LoRA off / initial weights); 0 = no KL "
-        "and no reference forward.",
-        check=ge(0),
-    )
-    cfg_grad: str = setting(
-        "both",
-        "How the guidance gradient flows: `both` branches (exact) or `cond_only` "
-        "(unconditional branch under no_grad: cheaper, biased; the original paper's form).",
-        check=one_of(*CFG_GRAD_MODES),
-    )
-    skip_zero_advantage: bool = setting(
-        True,
-        "Drop samples whose advantage is exactly 0 (groups with equal rewards) before the "
-        "update, as flow_grpo does; the loss is the mean over the kept samples.",
-    )
-
-
-@dataclass
 class FSDPConfig:
     """FSDP2 wrapping."""
 
@@ -133,27 +103,13 @@ class EMAConfig:
 
 
 @dataclass
-class UpdateConfig:
-    """The policy update after each rollout: optimizer steps and the micro-batch size."""
-
-    micro_batch_size: int = setting(4, "Samples per forward/backward in the update.", check=ge(1))
-    num_minibatches: int = setting(
-        2,
-        "Optimizer steps per rollout (the global batch is split in this many parts).",
-        check=ge(1),
-    )
-
-
-@dataclass
 class EngineConfig:
     """The sections the engine reads (the run config has them all, and more)."""
 
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
-    update: UpdateConfig = field(default_factory=UpdateConfig)
     seed: int = 0
 
     def validate(self) -> EngineConfig:
@@ -163,14 +119,11 @@ class EngineConfig:
 
 
 __all__ = [
-    "CFG_GRAD_MODES",
     "DTYPES",
     "EMAConfig",
     "EngineConfig",
     "FSDPConfig",
     "LR_SCHEDULES",
     "LoraConfig",
-    "LossConfig",
     "OptimConfig",
-    "UpdateConfig",
 ]

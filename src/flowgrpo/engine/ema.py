@@ -14,34 +14,31 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class EMA:
-    """shadow <- shadow + (1 - d_s) (param - shadow) after optimizer step s (0-based) when
-    (s + 1) % update_every == 0, with d_s = min((1 + s) / (10 + s), decay) (Flow-GRPO's
-    schedule). Shadows are clones of the (sharded) params, so DCP saves and reshards them."""
+class ParamShadow:
+    """A copy of the trainable params, kept sharded like them (DCP saves and reshards it):
+    the EMA, or an algorithm's old policy (DiffusionNFT). ``swapped()`` puts it in the params
+    for a block; ``blend_(w)`` moves it toward the params: shadow <- shadow + w (param - shadow).
+    """
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int):
+    def __init__(self, params: list[torch.nn.Parameter]):
         self.params = list(params)
-        self.decay = float(decay)
-        self.update_every = int(update_every)
         with torch.no_grad():
             self.shadow = [p.detach().clone() for p in self.params]
 
-    def decay_at(self, step: int) -> float:
-        return min((1 + step) / (10 + step), self.decay)
+    @torch.no_grad()
+    def reset_(self) -> None:
+        """shadow <- the params' current values."""
+        for e, p in zip(self.shadow, self.params, strict=True):
+            local(e).copy_(local(p))
 
     @torch.no_grad()
-    def update(self, step: int) -> bool:
-        """Apply the update for 0-based optimizer step ``step``; True if one was applied."""
-        if (step + 1) % self.update_every:
-            return False
-        weight = 1.0 - self.decay_at(step)
+    def blend_(self, weight: float) -> None:
         for e, p in zip(self.shadow, self.params, strict=True):
             local(e).lerp_(local(p).to(e.dtype), weight)
-        return True
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
-        """Params hold the EMA values inside the block; the trained values come back after."""
+        """Params hold the shadow values inside the block; the trained values come back after."""
         with torch.no_grad():
             saved = [local(p).clone() for p in self.params]
             for e, p in zip(self.shadow, self.params, strict=True):
@@ -63,4 +60,26 @@ class EMA:
                 local(e).copy_(local(state[name]))
 
 
-__all__ = ["EMA", "local"]
+class EMA(ParamShadow):
+    """shadow <- shadow + (1 - d_s) (param - shadow) after optimizer step s (0-based) when
+    (s + 1) % update_every == 0, with d_s = min((1 + s) / (10 + s), decay) (Flow-GRPO's
+    schedule)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int):
+        super().__init__(params)
+        self.decay = float(decay)
+        self.update_every = int(update_every)
+
+    def decay_at(self, step: int) -> float:
+        return min((1 + step) / (10 + step), self.decay)
+
+    @torch.no_grad()
+    def update(self, step: int) -> bool:
+        """Apply the update for 0-based optimizer step ``step``; True if one was applied."""
+        if (step + 1) % self.update_every:
+            return False
+        self.blend_(1.0 - self.decay_at(step))
+        return True
+
+
+__all__ = ["EMA", "ParamShadow", "local"]

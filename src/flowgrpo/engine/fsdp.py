@@ -1,8 +1,11 @@
-"""``DiffusersFSDPEngine``: Flow-GRPO training of a diffusers transformer with FSDP2 + peft LoRA.
+"""``DiffusersFSDPEngine``: a diffusers transformer under training, with FSDP2 + peft LoRA.
 
 The engine wraps ``adapter.transformer`` in place (LoRA, then ``fully_shard`` per block and on
-the root), so the sampler and the trainer keep using ``adapter.transformer``. It is given
-trajectories and advantages, returns metrics, and knows nothing about rewards. See
+the root), so the sampler and the trainer keep using ``adapter.transformer``. It owns the model
+and its training machinery: the reference policy, the EMA and other parameter shadows, the
+micro-batch plan balanced over ranks, backward with FSDP's gradient sync, the optimizer step
+(global clipping, non-finite handling), checkpoints and exports. It knows no loss and no
+reward: an algorithm (``flowgrpo.algorithms``) writes the update loop with these. See
 docs/engine.md.
 """
 
@@ -12,6 +15,7 @@ import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,27 +30,33 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.config import EngineConfig
-from flowgrpo.engine.ema import EMA, local
+from flowgrpo.engine.ema import EMA, ParamShadow, local
 from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
-from flowgrpo.rollout.sampler import Trajectory, trajectory_log_prob
 from flowgrpo.settings import check_section
 
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
-#: what ``_loss`` returns, in order (the last four are ``flow_grpo_loss``'s metrics)
-METRIC_KEYS = (
-    "loss",
-    "policy_loss",
-    "kl",
-    "approx_kl",
-    "approx_kl_k2",
-    "clipfrac",
-    "ratio_mean",
-)
+
+
+@dataclass
+class MicroBatch:
+    """rows: local sample indices of one forward/backward; scale: 1, or 0 for a padding
+    micro-batch (run only so that every rank makes as many forwards and backwards)."""
+
+    rows: torch.Tensor
+    scale: float
+
+
+@dataclass
+class MiniBatch:
+    """The micro-batches of one optimizer step (as many on every rank) and the number of
+    samples it trains on over all ranks."""
+
+    micro: list[MicroBatch]
+    total: int
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -90,9 +100,10 @@ class DiffusersFSDPEngine:
     """Trainable policy = ``adapter.transformer`` (LoRA or full), sharded with FSDP2.
 
     ``config``: an ``EngineConfig``, or the run config itself: anything with the sections
-    ``lora``, ``optim``, ``loss``, ``fsdp``, ``ema``, ``update`` and a ``seed`` (read as they
-    are, never copied). Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
-    ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (train_step calls),
+    ``lora``, ``optim``, ``fsdp``, ``ema`` and a ``seed`` (read as they are, never copied).
+    ``reference``: keep a frozen copy of the initial weights as the reference policy (a full
+    fine-tune with a KL term; under LoRA the reference is the adapter switched off). Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
+    ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (updates finished),
     ``optimizer_steps`` (applied updates), ``generator`` (shuffling; identical on all ranks).
     """
 
@@ -101,6 +112,8 @@ class DiffusersFSDPEngine:
         adapter: DiffusionAdapter,
         config: EngineConfig | Any | None = None,
         dist: fdist.DistInfo | None = None,
+        *,
+        reference: bool = False,
     ):
         self.adapter = adapter
         self.config = cfg = config if config is not None else EngineConfig()
@@ -114,7 +127,7 @@ class DiffusersFSDPEngine:
         self.reduce_dtype = resolve_dtype(cfg.fsdp.reduce_dtype, device)
 
         self._ref_model: nn.Module | None = None
-        if not self.use_lora and cfg.loss.kl_beta > 0:
+        if not self.use_lora and reference:  # LoRA's reference is the adapter switched off
             self._ref_model = copy.deepcopy(model).requires_grad_(False)
         if self.use_lora:
             model.requires_grad_(False)
@@ -157,6 +170,7 @@ class DiffusersFSDPEngine:
         self.ema = (
             EMA(self.params, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.enabled else None
         )
+        self.shadows: dict[str, ParamShadow] = {}  # the algorithms' named copies (checkpointed)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.optimizer_steps = 0
@@ -217,12 +231,13 @@ class DiffusersFSDPEngine:
     @contextmanager
     def reference_transformer(self) -> Iterator[nn.Module]:
         """The KL reference policy: the same transformer with every LoRA layer disabled, or
-        the frozen sharded copy of the initial weights (full fine-tune with kl_beta > 0)."""
+        the frozen sharded copy of the initial weights (full fine-tune built with
+        ``reference=True``)."""
         if self._ref_model is not None:
             yield self._ref_model
             return
         if not self.use_lora:
-            raise RuntimeError("full fine-tuning keeps a reference copy only when kl_beta > 0")
+            raise RuntimeError("a full fine-tune keeps a reference copy only with reference=True")
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
@@ -245,105 +260,62 @@ class DiffusersFSDPEngine:
             yield self.model
 
     def ema_update(self) -> bool:
-        """EMA update for the last applied optimizer step (train_step calls it already)."""
+        """EMA update for the last applied optimizer step (optimizer_step calls it already)."""
         return False if self.ema is None else self.ema.update(self.optimizer_steps - 1)
 
-    # -- training ------------------------------------------------------------------------------
-    def train_step(self, trajectory: Trajectory, advantages: torch.Tensor) -> dict[str, float]:
-        """``num_minibatches`` optimizer steps on this rank's samples (shuffled by the engine's
-        generator), each accumulating grads over micro-batches x trained steps.
+    def shadow(self, name: str) -> ParamShadow:
+        """A named copy of the trainable params (created from their current values at first
+        use): an algorithm's old policy. Saved and restored with checkpoints."""
+        if name not in self.shadows:
+            self.shadows[name] = ParamShadow(self.params)
+        return self.shadows[name]
 
-        advantages: [B] for the B = len(trajectory) local samples. With
-        ``skip_zero_advantage`` samples whose advantage is exactly 0 (groups whose rewards are
-        all equal) are dropped first, as flow_grpo does: they carry no policy gradient and
-        would only dilute the mean and cost a forward and backward each. The loss is a mean
-        over the kept samples of all ranks; every rank runs the same number of micro-batches
-        (zero-weight padding where it kept fewer) so FSDP's collectives line up. Returns global
-        means (over ranks and optimizer steps) of the loss terms, grad_norm, lr and skipped,
-        and the global counts ``samples_trained`` and ``samples_dropped``.
+    # -- training primitives (the algorithms write the loop and the loss) --------------------
+    def plan(
+        self, rows: torch.Tensor, num_minibatches: int, micro_batch_size: int
+    ) -> list[MiniBatch]:
+        """Split this rank's samples ``rows`` (local indices to train on) into
+        ``num_minibatches`` optimizer steps of micro-batches, balanced over ranks.
+
+        The rows are shuffled with the engine's generator (advanced identically on every rank,
+        checkpointed), split evenly, and the counts of every rank all-gathered once. FSDP
+        averages gradients over ranks, so a sample weighing world / (the minibatch's samples on
+        all ranks) makes the update the mean over all of them. Every rank
+        runs as many micro-batches as the rank with the most (zero-weight padding on one local
+        sample) so FSDP's collectives line up, and a minibatch empty on every rank is dropped.
+        ``MiniBatch.total``: its samples on all ranks, for the caller's weights.
         """
-        cfg = self.config
-        batch = len(trajectory)
-        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
-        if adv.numel() != batch:
-            raise ValueError(f"got {adv.numel()} advantages for a trajectory of {batch} samples")
-        if batch < cfg.update.num_minibatches:
-            raise ValueError(
-                f"{batch} samples cannot fill {cfg.update.num_minibatches} minibatches"
-            )
-        if cfg.loss.kl_beta > 0 and (trajectory.noise_level <= 0 or trajectory.sde_type == "ode"):
-            raise ValueError("kl_beta > 0 needs a stochastic trajectory (noise_level > 0, sde/cps)")
-        adv = adv.to(trajectory.latents.device)
-        kept = torch.arange(batch)
-        if cfg.loss.skip_zero_advantage:
-            kept = (adv.cpu() != 0).nonzero().squeeze(1)
-        perm = kept[torch.randperm(len(kept), generator=self.generator)]
-        minibatches = torch.tensor_split(perm, cfg.update.num_minibatches)
-        # kept samples per (rank, minibatch): the global loss normalisation and micro-batch count
-        counts = torch.tensor([len(mb) for mb in minibatches], device=self.dist.device)
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        perm = rows[torch.randperm(len(rows), generator=self.generator)]
+        parts = torch.tensor_split(perm, num_minibatches)
+        counts = torch.tensor([len(mb) for mb in parts], device=self.dist.device)
         counts = fdist.all_gather_tensor(counts[None]).cpu()  # [world, num_minibatches]
-        rows = []
-        for m, mb in enumerate(minibatches):
-            global_kept = int(counts[:, m].sum())
-            if global_kept == 0:  # nothing to learn from on any rank: no update at all
+        plan = []
+        for m, mb in enumerate(parts):
+            total = int(counts[:, m].sum())
+            if total == 0:  # nothing to learn from on any rank: no update at all
                 continue
-            n_micro = max(-(-int(c) // cfg.update.micro_batch_size) for c in counts[:, m])  # ceil
-            rows.append(self._optimizer_step(trajectory, adv, mb, global_kept, n_micro))
-        self.step += 1
-        total = int(counts.sum())
-        if rows:
-            out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-        else:  # every advantage was 0: no optimizer step ran
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            out = {**dict.fromkeys(METRIC_KEYS, 0.0), "grad_norm": 0.0, "lr": lr, "skipped": 0.0}
-        out["optimizer_steps"] = float(sum(1 - r["skipped"] for r in rows))
-        out["samples_trained"] = float(total)
-        out["samples_dropped"] = float(batch * self.dist.world_size - total)
-        return out
+            n_micro = max(-(-int(c) // micro_batch_size) for c in counts[:, m])  # ceil
+            micro = [MicroBatch(c, 1.0) for c in mb.split(micro_batch_size) if len(c)]
+            micro += [MicroBatch(torch.zeros(1, dtype=torch.long), 0.0)] * (n_micro - len(micro))
+            plan.append(MiniBatch(micro, total))
+        return plan
 
-    def _micro_batches(
-        self, index: torch.Tensor, n_micro: int
-    ) -> Iterator[tuple[torch.Tensor, float]]:
-        """(rows, weight of each row's loss) for ``n_micro`` micro-batches: this rank's rows in
-        chunks of ``micro_batch_size``, then zero-weight padding (one local sample) so every
-        rank runs ``n_micro`` forward/backward passes."""
-        chunks = [c for c in index.split(self.config.update.micro_batch_size) if len(c)]
-        for rows in chunks:
-            yield rows, 1.0
-        for _ in range(n_micro - len(chunks)):
-            yield torch.zeros(1, dtype=torch.long), 0.0
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        """``loss.backward()``; FSDP reduce-scatters the gradients only after the ``last``
+        backward of an optimizer step."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+        loss.backward()
 
-    def _optimizer_step(
-        self,
-        traj: Trajectory,
-        adv: torch.Tensor,
-        index: torch.Tensor,
-        global_kept: int,
-        n_micro: int,
-    ) -> dict[str, float]:
-        """One optimizer step over this rank's rows ``index`` of a minibatch that holds
-        ``global_kept`` samples on all ranks: each sample's loss (averaged over the trained
-        steps) weighs world / global_kept, so FSDP's gradient average over ranks gives the
-        mean over the minibatch's samples."""
-        cfg, model = self.config, self.model
-        num_steps = traj.num_train_steps
-        sample_weight = self.dist.world_size / (global_kept * num_steps)
-        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=self.dist.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        n_tasks, done = n_micro * num_steps, 0
-        for rows, scale in self._micro_batches(index, n_micro):
-            sub = traj.select(rows)
-            sub_adv = adv[rows.to(adv.device)] * scale
-            weight = len(rows) * sample_weight * scale
-            for k in range(num_steps):
-                done += 1
-                if isinstance(model, FSDPModule):  # reduce-scatter only after the last backward
-                    model.set_requires_gradient_sync(done == n_tasks)
-                terms = self._loss(sub, sub_adv, k)
-                (terms[0] * weight).backward()
-                sums += weight * torch.stack([t.detach().double().to(sums.device) for t in terms])
-        stats = fdist.all_reduce_mean(sums).cpu()  # one host sync per optimizer step
-        loss_finite = bool(torch.isfinite(stats).all())
+    def optimizer_step(self, loss_finite: bool = True) -> dict[str, float]:
+        """Clip (global norm), then AdamW, the LR schedule and the EMA, unless the loss
+        (``loss_finite``, agreed by the caller over ranks) or the gradient is not finite or
+        the update would make a weight non-finite: then the step is skipped (weights, optimizer,
+        LR schedule and EMA unchanged). Gradients are cleared either way. After
+        ``optim.max_consecutive_skips`` skips in a row: ``TrainingDiverged``.
+        Returns {grad_norm, lr, skipped}."""
+        cfg = self.config
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         if isinstance(grad_norm, DTensor):
@@ -367,9 +339,15 @@ class DiffusersFSDPEngine:
                 f"training diverged: {self.consecutive_skips} consecutive non-finite updates "
                 f"(loss, gradient or weights); lower optim.lr (now {lr:g})"
             )
-        out = {k: float(v) for k, v in zip(METRIC_KEYS, stats, strict=True)}
-        out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
-        return out
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks on the host (one sync): what metrics report."""
+        return fdist.all_reduce_mean(values.to(self.dist.device)).cpu()
+
+    def finish_update(self) -> None:
+        """Count one update (the ``step`` counter checkpoints and resumes)."""
+        self.step += 1
 
     @torch.no_grad()
     def _update_is_finite(self) -> bool:
@@ -410,33 +388,6 @@ class DiffusersFSDPEngine:
         for t in tensors:
             ok &= torch.isfinite(local(t)).all()
         return bool(fdist.all_reduce_min(ok.to(torch.float32)).item() > 0)
-
-    def _loss(self, sub: Trajectory, adv: torch.Tensor, k: int) -> list[torch.Tensor]:
-        """[loss, policy_loss, kl, approx_kl, approx_kl_k2, clipfrac, ratio_mean] for trained
-        step k; the gradient flows through both guidance branches unless ``cfg_grad`` says
-        "cond_only"."""
-        lc = self.config.loss
-        ref_mean = None
-        if lc.kl_beta > 0:
-            with torch.no_grad(), self.reference_transformer() as ref:
-                ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
-        out = trajectory_log_prob(
-            self.adapter, self.model, sub, k, cfg_grad=self.config.loss.cfg_grad
-        )
-        policy_loss, m = flow_grpo_loss(
-            out.log_prob,
-            sub.log_probs[:, k],
-            adv,
-            clip_range=lc.clip_range,
-            adv_clip_max=lc.adv_clip_max,
-        )
-        loss = policy_loss
-        if ref_mean is not None:
-            kl = kl_penalty_image(out.prev_sample_mean, ref_mean, out.std_dev_t).mean()
-            loss = loss + lc.kl_beta * kl
-        else:
-            kl = torch.zeros((), device=policy_loss.device)
-        return [loss, policy_loss, kl, *(m[key] for key in METRIC_KEYS[3:])]
 
     # -- exports ---------------------------------------------------------------------------------
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ class Trajectory:
     log_probs, sigmas, sigmas_next, timesteps, step_indices: [B, K].
     final_latents: pipeline ``output_type="latent"`` layout; images [B, C, H, W] in [0, 1]
     (video adapters: videos [B, C, F, H, W], and ``num_frames`` = F; None for images).
+    means [B, K, ...]: each trained step's Gaussian mean, when recorded (GRPO-Guard).
     """
 
     prompts: list[str]
@@ -56,6 +57,7 @@ class Trajectory:
     noise_level: float
     sde_type: str
     num_frames: int | None = None
+    means: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -144,6 +146,35 @@ def policy_step(
         width=width,
         cfg_grad=cfg_grad,
     )
+    return step_from_velocity(
+        v,
+        latents,
+        sigma,
+        sigma_next,
+        noise_level=noise_level,
+        sde_type=sde_type,
+        sigma_max=sigma_max,
+        prev_sample=prev_sample,
+        generator=generator,
+        stochastic=stochastic,
+    )
+
+
+def step_from_velocity(
+    v: torch.Tensor,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    *,
+    noise_level: float,
+    sde_type: str,
+    sigma_max: float | None = None,
+    prev_sample: torch.Tensor | None = None,
+    generator: Generators = None,
+    stochastic: torch.Tensor | None = None,
+) -> SDEStepOutput:
+    """The second half of ``policy_step``: the step from a guided velocity ``v``, SDE for the
+    ``stochastic`` samples [B] (None = all), Euler for the others."""
     step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max)
     if stochastic is None or bool(stochastic.all()):
         return sde_step_with_logprob(
@@ -236,15 +267,24 @@ def sample_trajectories(
     transformer: torch.nn.Module | None = None,
     decode: bool = True,
     num_frames: int | None = None,
+    sigmas: torch.Tensor | None = None,
+    ode_solver: str = "euler",
+    record_means: bool = False,
 ) -> Trajectory:
     """Generate B = len(prompts) images (videos of ``num_frames`` frames for video adapters,
     whose default applies when None) and record the K trained SDE steps of each.
 
     Stochastic steps: the SDE window of each sample if ``sde_window`` is given, else every
     step (but the last when ``deterministic_last_step``); the first ``timestep_fraction`` of
-    them are trained (recorded). Other steps are plain Euler (ODE) steps. ``generator`` may be
-    a list with one generator per sample: a sample is then reproducible in any batch.
+    them are trained (recorded). Other steps are plain Euler (ODE) steps, or with
+    ``ode_solver="dpm2"`` DPM-Solver++ 2M steps once no stochastic step is left (MixGRPO-Flash's
+    tail; every step of an ODE rollout). ``sigmas`` [N + 1] replaces the pipeline's schedule
+    (then N is its length - 1). ``record_means`` keeps each trained step's Gaussian mean
+    (``Trajectory.means``, the old policy's, for GRPO-Guard). ``generator`` may be a list with
+    one generator per sample: a sample is then reproducible in any batch.
     """
+    if ode_solver not in ("euler", "dpm2"):
+        raise ValueError(f"ode_solver must be 'euler' or 'dpm2', got {ode_solver!r}")
     transformer = transformer if transformer is not None else adapter.transformer
     batch = len(prompts)
     if isinstance(generator, list) and len(generator) != batch:
@@ -252,8 +292,13 @@ def sample_trajectories(
     num_frames = adapter.check_num_frames(num_frames)  # None for image adapters
     video = {} if num_frames is None else {"num_frames": num_frames}
     embeds, negative = adapter.encode(prompts, negative_prompts, guidance_scale=guidance_scale)
-    schedule = adapter.schedule(num_steps, height, width)
-    sigmas = schedule.sigmas.float().cpu()
+    if sigmas is None:
+        schedule = adapter.schedule(num_steps, height, width)
+        sigmas, timesteps = schedule.sigmas.float().cpu(), schedule.timesteps.float().cpu()
+    else:
+        sigmas = torch.as_tensor(sigmas).float().cpu().reshape(-1)
+        num_steps = len(sigmas) - 1
+        timesteps = sigmas[:-1] * adapter.pipe.scheduler.config.num_train_timesteps
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else float(sigmas[0])
     if latents is None:
         latents = adapter.prepare_latents(batch, height, width, generator, **video)
@@ -269,45 +314,61 @@ def sample_trajectories(
         generator=generator,
     )
 
-    x = latents
-    all_latents, all_log_probs = [x], []
+    # with dpm2, the deterministic steps from here on (after every sample's last SDE step)
+    tail_from = int((start + span).max()) if noise_level > 0 else 0
+    x, prev_x0 = latents, None
+    all_latents, all_log_probs, all_means = [x], [], []
     for i in range(num_steps):
         sig = sigmas[i].expand(batch).to(x.device)
         sig_next = sigmas[i + 1].expand(batch).to(x.device)
         stochastic = ((start <= i) & (i < start + span)).to(x.device)
-        out = policy_step(
-            adapter,
+        if noise_level <= 0:
+            stochastic = torch.zeros_like(stochastic)
+        v = adapter.velocity(
             transformer,
             x,
             sig,
-            sig_next,
             embeds,
             negative,
             guidance_scale=guidance_scale,
-            noise_level=noise_level,
-            sde_type=sde_type,
             height=height,
             width=width,
-            sigma_max=sigma_max,
-            generator=generator,
-            stochastic=stochastic if noise_level > 0 else torch.zeros_like(stochastic),
         )
+        if ode_solver == "dpm2" and i >= tail_from:
+            out = _dpm2_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), prev_x0, sigmas, i)
+        else:
+            out = step_from_velocity(
+                v,
+                x,
+                sig,
+                sig_next,
+                noise_level=noise_level,
+                sde_type=sde_type,
+                sigma_max=sigma_max,
+                generator=generator,
+                stochastic=stochastic,
+            )
+        if ode_solver == "dpm2":
+            prev_x0 = x - float(sigmas[i]) * v  # the data prediction, DPM-Solver's history
         x = out.prev_sample
         all_latents.append(x)
         all_log_probs.append(out.log_prob)
+        if record_means:
+            all_means.append(out.prev_sample_mean)
 
     rows = torch.arange(batch)[:, None]
     steps = start[:, None] + torch.arange(k)[None, :]  # [B, K] trained step indices
     stacked = torch.stack(all_latents, dim=1)  # [B, N+1, ...]
     log_probs = torch.stack(all_log_probs, dim=1)  # [B, N]
     trajectory_latents = stacked[rows, torch.cat([steps, steps[:, -1:] + 1], dim=1)]
+    means = torch.stack(all_means, dim=1)[rows, steps] if record_means else None
     return Trajectory(
         prompts=list(prompts),
         latents=trajectory_latents,
         log_probs=log_probs.cpu()[rows, steps].to(x.device),
         sigmas=sigmas[steps].to(x.device),
         sigmas_next=sigmas[steps + 1].to(x.device),
-        timesteps=schedule.timesteps.float().cpu()[steps].to(x.device),
+        timesteps=timesteps[steps].to(x.device),
         step_indices=steps.to(x.device),
         prompt_embeds=embeds,
         negative_embeds=negative,
@@ -320,7 +381,21 @@ def sample_trajectories(
         noise_level=noise_level,
         sde_type=sde_type,
         num_frames=num_frames,
+        means=means,
     )
+
+
+def _dpm2_step(v, x, sigma, sigma_next, prev_x0, sigmas, i) -> SDEStepOutput:
+    """A deterministic DPM-Solver++ 2M step (second order when the previous step's data
+    prediction exists) as an SDEStepOutput with log_prob 0."""
+    from flowgrpo.algo.mix_grpo import dpm_solver_2m_step
+
+    hist = {}
+    if prev_x0 is not None and i > 0:
+        hist = {"prev_x0": prev_x0, "sigma_prev": float(sigmas[i - 1])}
+    out = dpm_solver_2m_step(v, x, sigma, sigma_next, **hist)
+    zeros = torch.zeros(x.shape[0], dtype=out.prev_sample.dtype, device=x.device)
+    return SDEStepOutput(out.prev_sample, zeros, out.prev_sample, zeros)
 
 
 def trajectory_log_prob(

@@ -1,8 +1,9 @@
-"""The Flow-GRPO training loop, readable top to bottom.
+"""The training loop, readable top to bottom, whatever the algorithm.
 
-One step: draw m prompts x K (the groups) -> this rank's share -> SDE rollout without grad,
-per-sample noise seeded from (seed, step, global sample index) -> rewards -> all-gather ->
-group-relative advantages on the global batch -> this rank's slice -> ``engine.train_step``.
+One step: draw m prompts x K (the groups) -> this rank's share -> the algorithm's rollout
+without grad, per-sample noise seeded from (seed, step, global sample index) -> rewards ->
+all-gather -> group-relative advantages on the global batch -> this rank's slice ->
+``algorithm.update``.
 Everything a step does is a function of (seed, step, restored state), so a resumed run repeats
 a straight run exactly. Eval uses the ODE sampler on fixed prompts with fixed noise.
 """
@@ -39,11 +40,10 @@ class Run:
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         self.adapter = S.build_adapter_for(cfg, dist)
-        self.engine = S.build_engine(cfg, self.adapter, dist)
+        self.engine, self.algorithm = S.build_engine(cfg, self.adapter, dist)
         self.reward = S.build_rewards(cfg.reward)
         self.eval_reward = S.build_rewards(cfg.eval_reward)  # eval only, the whole set at once
         self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
-        self.window = S.sde_window(cfg)
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
         self.grid_index, self.grid_cols = S.grid_layout(
             len(self.eval_set), cfg.data.eval_samples_per_prompt
@@ -69,12 +69,36 @@ def rollout(
     on_chunk: Callable[[Trajectory, slice], None] | None = None,
 ) -> Trajectory:
     """Sample ``prompts`` in chunks of ``sample.rollout_batch_size``; sample i's noise comes
-    from (seed, step, indices[i]). Eval: ODE with the eval steps/guidance. ``on_chunk(traj,
-    rows)`` is called as each chunk finishes (async reward scoring)."""
+    from (seed, step, indices[i]). Training: as the algorithm's ``rollout_plan(step)`` says;
+    eval: ODE with the eval steps/guidance. ``on_chunk(traj, rows)`` is called as each chunk
+    finishes (async reward scoring)."""
     s, m, parts = run.cfg.sample, run.cfg.model, []
-    guidance = s.guidance_scale
-    if eval and s.eval_guidance_scale is not None:
-        guidance = s.eval_guidance_scale
+    if eval:
+        plan = dict(
+            num_steps=s.eval_num_steps,
+            guidance_scale=(
+                s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
+            ),
+            noise_level=0.0,
+            sde_type=s.sde_type,
+            sde_window=None,
+            timestep_fraction=1.0,
+            deterministic_last_step=s.deterministic_last_step,
+        )
+    else:
+        p = run.algorithm.rollout_plan(step)
+        plan = dict(
+            num_steps=p.num_steps,
+            guidance_scale=p.guidance_scale,
+            noise_level=p.noise_level,
+            sde_type=p.sde_type,
+            sde_window=p.sde_window,
+            timestep_fraction=p.timestep_fraction,
+            deterministic_last_step=p.deterministic_last_step,
+            sigmas=p.sigmas,
+            ode_solver=p.ode_solver,
+            record_means=p.record_means,
+        )
     chunk = max(1, s.rollout_batch_size)
     for lo in range(0, len(prompts), chunk):
         rows = slice(lo, lo + chunk)
@@ -82,17 +106,11 @@ def rollout(
         traj = sample_trajectories(
             run.adapter,
             prompts[rows],
-            num_steps=s.eval_num_steps if eval else s.num_steps,
-            guidance_scale=guidance,
-            noise_level=0.0 if eval else s.noise_level,
-            sde_type=s.sde_type,
             height=m.height,
             width=m.width,
             generator=gens,
-            sde_window=None if eval else run.window,
             negative_prompts=[s.negative_prompt] * len(gens) if s.negative_prompt else None,
-            timestep_fraction=1.0 if eval else s.timestep_fraction,
-            deterministic_last_step=s.deterministic_last_step,
+            **plan,
         )
         if not bool(torch.isfinite(traj.final_latents).all()):
             what = "eval rollout" if eval else f"rollout of step {step}"
@@ -118,7 +136,7 @@ def score(
     With ``advantage.async_reward`` chunks are scored in a thread while the next one samples.
     A failing reward is a RunError naming the reward and, when only some samples fail, the
     first failing sample's prompt-file line (``locations``)."""
-    with run.ema(run.cfg.sample.use_ema_for_rollout):
+    with run.algorithm.rollout_weights():
         if not run.cfg.advantage.async_reward:
             traj = rollout(run, prompts, indices, step)
             t = time.perf_counter()
@@ -190,7 +208,10 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         rewards, group_ids, mode=cfg.advantage.mode, global_std=cfg.advantage.global_std
     )
     advantages = combined.advantages[start : start + count].to(dist.device)
-    train_metrics = run.engine.train_step(traj, advantages)
+    train_metrics = {}
+    if run.algorithm.rollout_plan(step).train:  # MixGRPO's empty window trains nothing
+        seeds = [S.sample_seed(cfg.seed, step, i) for i in mine]
+        train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
     t3 = time.perf_counter()
     return {
         "reward_mean": float(combined.reward.mean()),

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from flowgrpo.engine.dist import DistInfo
-from flowgrpo.rollout import SDEWindow
 
 EVAL_SALT = 0x5EED_E7A1  # stream of the fixed eval noise (independent of the step)
 SAMPLE_SALT = 0x5A4D_91E0  # stream of `flowgrpo sample`
@@ -41,12 +40,6 @@ def generators(
     return out
 
 
-def sde_window(cfg: Any) -> SDEWindow | None:
-    """SDEWindow from ``sample.window_size`` (0 = off), ``window_lo``, ``window_hi``."""
-    s = cfg.sample
-    return SDEWindow(s.window_size, s.window_lo, s.window_hi) if s.window_size > 0 else None
-
-
 def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     """The pipeline at ``model.path`` (a local diffusers directory or a built-in one) wrapped
     in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32).
@@ -72,12 +65,17 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     return build_adapter(pipe, **options)
 
 
-def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> Any:
-    """The engine reads its sections (lora, optim, loss, fsdp, ema, update, seed) from the
-    run config itself."""
+def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> tuple[Any, Any]:
+    """(engine, algorithm): the engine reads its sections (lora, optim, fsdp, ema, seed) from
+    the run config itself and keeps a reference copy when the algorithm needs one; the
+    algorithm (``cfg.algorithm``) reads its own section."""
+    from flowgrpo.algorithms import algorithm_class
     from flowgrpo.engine.fsdp import DiffusersFSDPEngine
 
-    return DiffusersFSDPEngine(adapter, cfg, dist)
+    algo_cls = algorithm_class(cfg.algorithm)
+    reference = algo_cls.needs_reference(getattr(cfg, cfg.algorithm))
+    engine = DiffusersFSDPEngine(adapter, cfg, dist, reference=reference)
+    return engine, algo_cls(cfg, engine, adapter)
 
 
 def build_rewards(specs: Any) -> Any:

@@ -1,0 +1,158 @@
+"""What every RL algorithm provides, and the update loop they share.
+
+An algorithm is one module (``flow_grpo``, ``mix_grpo``, ``grpo_guard``, ``nft``): what its
+rollout records (``rollout_plan``), which weights sample it (``rollout_weights``), its loss on a
+micro-batch and its update over a rollout (``update``). It drives the engine's primitives
+(``plan``, ``backward``, ``optimizer_step``, ``reference_transformer``, ``shadow``) and never
+touches FSDP; adapters know nothing of it. The trainer's step reads: sample -> reward ->
+advantages -> ``algorithm.update``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from flowgrpo.rollout import SDEWindow, Trajectory
+from flowgrpo.settings import ge, setting
+
+
+@dataclass
+class UpdateConfig:
+    """The policy update after each rollout: optimizer steps and the micro-batch size."""
+
+    micro_batch_size: int = setting(4, "Samples per forward/backward in the update.", check=ge(1))
+    num_minibatches: int = setting(
+        2,
+        "Optimizer steps per rollout (the global batch is split in this many parts).",
+        check=ge(1),
+    )
+
+
+@dataclass
+class RolloutPlan:
+    """How a training rollout samples and what it records (the sample section's values unless
+    the algorithm changes them). ``sigmas``: a custom grid [N + 1] (else the pipeline's);
+    ``ode_solver``: "euler", or "dpm2" (DPM-Solver++ 2M) for the ODE steps after the SDE
+    window; ``record_means``: keep each trained step's Gaussian mean (the old policy's);
+    ``train``: False when this step has nothing to train (the update is skipped)."""
+
+    num_steps: int
+    guidance_scale: float
+    noise_level: float
+    sde_type: str
+    sde_window: SDEWindow | None
+    timestep_fraction: float
+    deterministic_last_step: bool
+    sigmas: torch.Tensor | None = None
+    ode_solver: str = "euler"
+    record_means: bool = False
+    train: bool = True
+
+
+class Algorithm(ABC):
+    """One RL algorithm over the shared adapters, sampler and engine."""
+
+    #: the name in ``algorithm=<name>`` and the config section holding its settings
+    name: ClassVar[str]
+
+    def __init__(self, cfg: Any, engine: Any, adapter: Any) -> None:
+        self.cfg, self.engine, self.adapter = cfg, engine, adapter
+        self.settings = getattr(cfg, self.name)
+
+    @staticmethod
+    def needs_reference(settings: Any) -> bool:
+        """Whether the update reads a reference policy (a KL term): a full fine-tune then keeps
+        a frozen copy of the initial weights."""
+        return getattr(settings, "kl_beta", 0.0) > 0
+
+    def rollout_plan(self, step: int) -> RolloutPlan:
+        """The training rollout of ``step`` (1-based): the sample section as it is."""
+        s = self.cfg.sample
+        window = SDEWindow(s.window_size, s.window_lo, s.window_hi) if s.window_size > 0 else None
+        return RolloutPlan(
+            num_steps=s.num_steps,
+            guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level,
+            sde_type=s.sde_type,
+            sde_window=window,
+            timestep_fraction=s.timestep_fraction,
+            deterministic_last_step=s.deterministic_last_step,
+        )
+
+    def rollout_weights(self) -> contextlib.AbstractContextManager:
+        """The weights that sample training rollouts: the EMA with
+        ``sample.use_ema_for_rollout``, else the live ones."""
+        if self.cfg.sample.use_ema_for_rollout and self.engine.ema is not None:
+            return self.engine.ema_weights()
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def update(
+        self,
+        trajectory: Trajectory,
+        advantages: torch.Tensor,
+        *,
+        step: int,
+        sample_seeds: Sequence[int],
+    ) -> dict[str, float]:
+        """Train on this rank's rollout (``advantages`` [B], the samples' noise seeds) and
+        return global metrics."""
+
+    # -- the loop every algorithm here shares ---------------------------------------------------
+    def update_loop(
+        self,
+        trajectory: Trajectory,
+        rows: torch.Tensor,
+        keys: Sequence[str],
+        micro_loss: Callable[[Trajectory, torch.Tensor, float, int], list[torch.Tensor]],
+        num_terms: int,
+    ) -> tuple[list[dict[str, float]], int]:
+        """``update.num_minibatches`` optimizer steps over this rank's ``rows``, each
+        accumulating micro-batches x ``num_terms`` loss terms (the trained steps, or the NFT
+        timesteps). ``micro_loss(sub, rows, scale, k)`` returns [loss, *metrics] (``keys``),
+        each a mean over the micro-batch; ``scale`` is 0 for a padding micro-batch. Each
+        sample's term weighs world / (minibatch samples on all ranks x num_terms), so the
+        update is the mean over the minibatch and equals one process on the global batch.
+        Returns one row of metrics (global means) per optimizer step taken, and the number of
+        samples trained on over all ranks."""
+        u, engine = self.cfg.update, self.engine
+        out, plan = [], engine.plan(rows, u.num_minibatches, u.micro_batch_size)
+        for mb in plan:
+            sample_weight = engine.dist.world_size / (mb.total * num_terms)
+            sums = torch.zeros(len(keys), dtype=torch.float64, device=engine.dist.device)
+            n_tasks, done = len(mb.micro) * num_terms, 0
+            for micro in mb.micro:
+                sub = trajectory.select(micro.rows)
+                weight = len(micro.rows) * sample_weight * micro.scale
+                for k in range(num_terms):
+                    done += 1
+                    terms = micro_loss(sub, micro.rows, micro.scale, k)
+                    engine.backward(terms[0] * weight, last=done == n_tasks)
+                    sums += weight * torch.stack(
+                        [t.detach().double().to(sums.device) for t in terms]
+                    )
+            stats = engine.mean_over_ranks(sums)  # one host sync per optimizer step
+            row = {k: float(v) for k, v in zip(keys, stats, strict=True)}
+            row.update(engine.optimizer_step(bool(torch.isfinite(stats).all())))
+            out.append(row)
+        engine.finish_update()
+        return out, sum(mb.total for mb in plan)
+
+    def summarize(self, rows: list[dict[str, float]], keys: Sequence[str]) -> dict[str, float]:
+        """Means over the optimizer steps taken (zeros when none was), ``optimizer_steps``."""
+        if rows:
+            out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        else:  # nothing was trained: no optimizer step ran
+            lr = float(self.engine.optimizer.param_groups[0]["lr"])
+            out = {**dict.fromkeys(keys, 0.0), "grad_norm": 0.0, "lr": lr, "skipped": 0.0}
+        out["optimizer_steps"] = float(sum(1 - r["skipped"] for r in rows))
+        return out
+
+
+__all__ = ["Algorithm", "RolloutPlan", "UpdateConfig"]

@@ -1,0 +1,139 @@
+"""Flow-GRPO (Liu et al., arXiv 2505.05470): the clipped policy-gradient loss on the SDE
+rollout's recorded steps, with an optional KL to the reference policy.
+
+Per micro-batch and trained step k: recompute log p_theta(x_{k+1} | x_k) through the rollout's
+own ``policy_step`` (the guidance gradient through both branches unless ``cfg_grad`` says
+``cond_only``), the ratio to the rollout's log-prob, the clipped surrogate, plus
+kl_beta * KL(mean_theta, mean_ref). Samples whose advantage is exactly 0 are dropped first
+(``skip_zero_advantage``), as flow_grpo does. docs/algorithm.md states the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
+from flowgrpo.algorithms.base import Algorithm
+from flowgrpo.rollout import Trajectory, trajectory_log_prob
+from flowgrpo.settings import ge, gt, one_of, setting
+
+CFG_GRAD_MODES = ("both", "cond_only")
+#: what ``micro_loss`` returns, in order
+KEYS = ("loss", "policy_loss", "kl", "approx_kl", "approx_kl_k2", "clipfrac", "ratio_mean")
+
+
+@dataclass
+class FlowGRPOConfig:
+    """The Flow-GRPO objective: clipped surrogate + kl_beta * KL(policy || reference)."""
+
+    clip_range: float = setting(
+        1e-4,
+        "PPO ratio clip epsilon (log-probs are per-dimension means, hence tiny).",
+        check=gt(0),
+    )
+    adv_clip_max: float = setting(5.0, "Advantages are clamped to +-this.", check=gt(0))
+    kl_beta: float = setting(
+        0.0,
+        "Weight of KL(policy || reference) (reference = LoRA off / initial weights); 0 = no KL "
+        "and no reference forward.",
+        check=ge(0),
+    )
+    cfg_grad: str = setting(
+        "both",
+        "How the guidance gradient flows: `both` branches (exact) or `cond_only` "
+        "(unconditional branch under no_grad: cheaper, biased; the original paper's form).",
+        check=one_of(*CFG_GRAD_MODES),
+    )
+    skip_zero_advantage: bool = setting(
+        True,
+        "Drop samples whose advantage is exactly 0 (groups with equal rewards) before the "
+        "update, as flow_grpo does; the loss is the mean over the kept samples.",
+    )
+
+
+class FlowGRPO(Algorithm):
+    """The default algorithm."""
+
+    name = "flow_grpo"
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The names of what ``step_loss`` returns, in order."""
+        return KEYS
+
+    def kept_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        """The local samples to train on: all, or those with a non-zero advantage."""
+        if self.settings.skip_zero_advantage:
+            return (advantages.cpu() != 0).nonzero().squeeze(1)
+        return torch.arange(len(advantages))
+
+    def check(self, trajectory: Trajectory) -> None:
+        if self.settings.kl_beta > 0 and (
+            trajectory.noise_level <= 0 or trajectory.sde_type == "ode"
+        ):
+            raise ValueError(
+                f"{self.name}.kl_beta > 0 needs a stochastic trajectory (noise_level > 0, sde/cps)"
+            )
+
+    def update(
+        self,
+        trajectory: Trajectory,
+        advantages: torch.Tensor,
+        *,
+        step: int,
+        sample_seeds: Sequence[int],
+    ) -> dict[str, float]:
+        """Optimizer steps on this rank's rollout. Returns global means of the loss terms,
+        grad_norm, lr, skipped; optimizer_steps; samples_trained / samples_dropped (global)."""
+        batch = len(trajectory)
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+        if adv.numel() != batch:
+            raise ValueError(f"got {adv.numel()} advantages for a trajectory of {batch} samples")
+        if batch < self.cfg.update.num_minibatches:
+            raise ValueError(
+                f"{batch} samples cannot fill {self.cfg.update.num_minibatches} minibatches"
+            )
+        self.check(trajectory)
+        adv = adv.to(trajectory.latents.device)
+        rows = self.kept_rows(adv)
+
+        def micro_loss(sub, index, scale, k):
+            return self.step_loss(sub, adv[index.to(adv.device)] * scale, k)
+
+        steps, total = self.update_loop(
+            trajectory, rows, self.keys, micro_loss, trajectory.num_train_steps
+        )
+        out = self.summarize(steps, self.keys)
+        out["samples_trained"] = float(total)
+        out["samples_dropped"] = float(batch * self.engine.dist.world_size - total)
+        return out
+
+    def step_loss(self, sub: Trajectory, adv: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """[loss, policy_loss, kl, approx_kl, approx_kl_k2, clipfrac, ratio_mean] of trained
+        step k for the micro-batch ``sub`` (means over it)."""
+        s = self.settings
+        ref_mean = None
+        if s.kl_beta > 0:
+            with torch.no_grad(), self.engine.reference_transformer() as ref:
+                ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
+        out = trajectory_log_prob(self.adapter, self.engine.model, sub, k, cfg_grad=s.cfg_grad)
+        policy_loss, m = flow_grpo_loss(
+            out.log_prob,
+            sub.log_probs[:, k],
+            adv,
+            clip_range=s.clip_range,
+            adv_clip_max=s.adv_clip_max,
+        )
+        loss = policy_loss
+        if ref_mean is not None:
+            kl = kl_penalty_image(out.prev_sample_mean, ref_mean, out.std_dev_t).mean()
+            loss = loss + s.kl_beta * kl
+        else:
+            kl = torch.zeros((), device=policy_loss.device)
+        return [loss, policy_loss, kl, *(m[key] for key in KEYS[3:])]
+
+
+__all__ = ["CFG_GRAD_MODES", "FlowGRPO", "FlowGRPOConfig"]

@@ -1,0 +1,89 @@
+"""MixGRPO (Li et al., arXiv 2507.21802; Tencent-Hunyuan/MixGRPO): mixed ODE-SDE rollouts whose
+SDE window slides over the denoising steps as training goes, only the window trained.
+
+The rollout of training step s is Euler (ODE) before the window, SDE inside it, and Euler after
+it, or with ``flash`` (MixGRPO-Flash) DPM-Solver++ 2M on a compressed grid after it. The window
+is ``sde_window_at(s)``: it moves by ``stride`` every ``shift_interval`` steps and rolls back to
+the start. The loss is Flow-GRPO's on the window's steps. The math:
+``flowgrpo.algo.mix_grpo``; docs/algorithms.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowgrpo.algo.mix_grpo import flash_schedule, sde_window_at
+from flowgrpo.algorithms.base import RolloutPlan
+from flowgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from flowgrpo.rollout import SDEWindow
+from flowgrpo.settings import ge, gt, setting
+
+
+@dataclass
+class MixGRPOConfig(FlowGRPOConfig):
+    """Flow-GRPO's loss settings plus the sliding window and the Flash solver."""
+
+    window_size: int = setting(4, "SDE (trained) steps per rollout (the authors: 4).", check=ge(1))
+    shift_interval: int = setting(
+        25,
+        "Training steps between two moves of the window (MixGRPO 25, Flash 20).",
+        check=ge(1),
+    )
+    stride: int = setting(
+        1, "Steps the window moves by (0 = it stays at the start: Flash*).", check=ge(0)
+    )
+    roll_back: bool = setting(
+        True, "Back to the first step once the window passes the last trainable step."
+    )
+    flash: bool = setting(
+        False, "MixGRPO-Flash: DPM-Solver++ 2M on a compressed grid after the window."
+    )
+    compress_ratio: float = setting(
+        0.4,
+        "Flash: the post-window steps kept, as a fraction (Flash 0.4, Flash* 0.2).",
+        check=gt(0),
+    )
+    flash_shift: float = setting(
+        3.0,
+        "Flash: the time shift of the compressed grid (the authors' FLUX value, 3).",
+        check=gt(0),
+    )
+
+
+class MixGRPO(FlowGRPO):
+    name = "mix_grpo"
+
+    def window(self, step: int) -> tuple[int, int]:
+        """The SDE window [start, end) of training step ``step`` (1-based)."""
+        s = self.settings
+        return sde_window_at(
+            step - 1,
+            num_steps=self.cfg.sample.num_steps,
+            window_size=s.window_size,
+            shift_interval=s.shift_interval,
+            stride=s.stride,
+            roll_back=s.roll_back,
+        )
+
+    def rollout_plan(self, step: int) -> RolloutPlan:
+        plan = super().rollout_plan(step)
+        start, end = self.window(step)
+        plan.timestep_fraction = 1.0
+        if end <= start:  # the authors' empty window: an ODE rollout, nothing to train
+            plan.sde_window, plan.noise_level, plan.train = None, 0.0, False
+            return plan
+        plan.sde_window = SDEWindow(end - start, start, end)
+        if self.settings.flash:
+            m = self.cfg.model
+            grid = self.adapter.schedule(plan.num_steps, m.height, m.width).sigmas
+            plan.sigmas = flash_schedule(
+                grid,
+                end,
+                compress_ratio=self.settings.compress_ratio,
+                shift=self.settings.flash_shift,
+            ).float()
+            plan.ode_solver = "dpm2"
+        return plan
+
+
+__all__ = ["MixGRPO", "MixGRPOConfig"]

@@ -1,0 +1,162 @@
+"""DiffusionNFT (Zheng et al., arXiv 2509.16117; NVlabs/DiffusionNFT): negative-aware
+fine-tuning on the forward process.
+
+The rollout is an ODE (DPM-Solver++ 2M by default) run with the *old* policy, CFG-free, and
+keeps only the clean samples x0; no log-probs. Rewards become an optimality probability per
+sample (from the group advantage). Training re-noises x0 at the rollout's sigmas with fresh
+noise and contrasts the implicit positive and negative policies around the old one
+(``flowgrpo.algo.nft.nft_loss``); after each update the old policy moves toward the current
+one with the authors' decay schedule. docs/algorithms.md states the math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flowgrpo.algo.nft import forward_noising, nft_loss, old_policy_decay, optimality_probability
+from flowgrpo.algorithms.base import Algorithm, RolloutPlan
+from flowgrpo.rollout import Trajectory
+from flowgrpo.settings import ge, gt, one_of, setting
+
+KEYS = ("loss", "policy_loss", "unweighted_policy_loss", "old_deviate", "kl")
+NOISE_SALT = 0x4E_F7  # the stream of the training noise, apart from the rollout's
+SHADOW = "nft_old"  # the engine's name for the old policy (checkpointed)
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT's settings (the authors' SD3.5 defaults)."""
+
+    beta: float = setting(
+        1.0,
+        "How far the implicit policies sit from the old one (the authors: 1 for GenEval / "
+        "PickScore / HPSv2, 0.1 for OCR and multi-reward).",
+        check=gt(0),
+    )
+    adv_clip_max: float = setting(
+        5.0, "Advantages are clamped to +-this before they become probabilities.", check=gt(0)
+    )
+    kl_beta: float = setting(
+        0.0,
+        "Weight of mean (v_theta - v_ref)^2 to the reference policy (the authors: 1e-4).",
+        check=ge(0),
+    )
+    old_policy_schedule: int = setting(
+        1,
+        "The old policy's decay d (old <- d old + (1 - d) new after each update): 0 = always "
+        "the current policy, 1 = min(0.001 s, 0.5) (the authors' default), 2 = the OCR one.",
+        check=one_of(0, 1, 2),
+    )
+    guidance_scale: float = setting(
+        1.0, "CFG scale of the rollouts (DiffusionNFT is CFG-free: 1).", check=ge(0)
+    )
+    ode_solver: str = setting(
+        "dpm2",
+        "The rollout's ODE solver: `dpm2` (DPM-Solver++ 2M, the authors') or `euler`.",
+        check=one_of("euler", "dpm2"),
+    )
+
+
+class DiffusionNFT(Algorithm):
+    name = "nft"
+
+    def __init__(self, cfg, engine, adapter) -> None:
+        super().__init__(cfg, engine, adapter)
+        self.old = engine.shadow(SHADOW)  # created now so that checkpoints restore it
+
+    def rollout_plan(self, step: int) -> RolloutPlan:
+        plan = super().rollout_plan(step)
+        plan.noise_level, plan.sde_window, plan.timestep_fraction = 0.0, None, 1.0
+        plan.guidance_scale = self.settings.guidance_scale
+        plan.ode_solver = self.settings.ode_solver
+        return plan
+
+    def rollout_weights(self) -> contextlib.AbstractContextManager:
+        """Rollouts sample with the old policy."""
+        return self.old.swapped()
+
+    def update(
+        self,
+        trajectory: Trajectory,
+        advantages: torch.Tensor,
+        *,
+        step: int,
+        sample_seeds: Sequence[int],
+    ) -> dict[str, float]:
+        """Optimizer steps on this rank's samples, each term one (sample, schedule sigma) pair;
+        then the old policy moves toward the new one."""
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+        if adv.numel() != len(trajectory) or len(sample_seeds) != len(trajectory):
+            raise ValueError(
+                f"got {adv.numel()} advantages and {len(sample_seeds)} seeds for "
+                f"{len(trajectory)} samples"
+            )
+        r = optimality_probability(adv, self.settings.adv_clip_max).to(trajectory.latents.device)
+        seeds = torch.as_tensor(list(sample_seeds), dtype=torch.long)
+
+        def micro_loss(sub, index, scale, k):
+            return self.step_loss(sub, r[index.to(r.device)], seeds[index], k)
+
+        rows = torch.arange(len(trajectory))
+        steps, total = self.update_loop(
+            trajectory, rows, KEYS, micro_loss, trajectory.num_train_steps
+        )
+        out = self.summarize(steps, KEYS)
+        decay = old_policy_decay(self.engine.optimizer_steps, self.settings.old_policy_schedule)
+        self.old.blend_(1.0 - decay)
+        out.update(samples_trained=float(total), old_policy_decay=decay)
+        return out
+
+    def noise(self, seeds: torch.Tensor, k: int, like: torch.Tensor) -> torch.Tensor:
+        """Fresh noise for training term k of each sample, from the sample's own seed: the
+        same whatever the batch, the rank or a resume."""
+        out = []
+        for s in seeds.tolist():
+            g = torch.Generator().manual_seed((s * 1_000_003 + k * 7919 + NOISE_SALT) % 2**63)
+            out.append(torch.randn(like.shape[1:], generator=g, dtype=torch.float32))
+        return torch.stack(out).to(like.device, like.dtype)
+
+    def step_loss(
+        self, sub: Trajectory, r: torch.Tensor, seeds: torch.Tensor, k: int
+    ) -> list[torch.Tensor]:
+        """[loss, policy_loss, unweighted_policy_loss, old_deviate, kl] at the k-th sigma of
+        the rollout's schedule (means over the micro-batch)."""
+        s, engine = self.settings, self.engine
+        x0, sigma = sub.final_latents, sub.sigmas[:, k]
+        x_t = forward_noising(x0, self.noise(seeds, k, x0), sigma)
+        kw = dict(guidance_scale=sub.guidance_scale, height=sub.height, width=sub.width)
+
+        def velocity(model):
+            return self.adapter.velocity(
+                model, x_t, sigma, sub.prompt_embeds, sub.negative_embeds, **kw
+            )
+
+        with torch.no_grad():  # the old policy first: its weights swap in and back out
+            with self.old.swapped():
+                v_old = velocity(engine.model)
+            v_ref = None
+            if s.kl_beta > 0:
+                with engine.reference_transformer() as ref:
+                    v_ref = velocity(ref)
+        v = velocity(engine.model)
+        loss, m = nft_loss(
+            v,
+            v_old,
+            x_t,
+            x0,
+            sigma,
+            r,
+            beta=s.beta,
+            adv_clip_max=s.adv_clip_max,
+            kl_beta=s.kl_beta,
+            v_ref=v_ref,
+        )
+        kl = m.get("kl_div", torch.zeros((), device=loss.device))
+        return [loss, m["policy_loss"], m["unweighted_policy_loss"], m["old_deviate"], kl]
+
+
+__all__ = ["DiffusionNFT", "NFTConfig"]
