@@ -109,7 +109,11 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
     assert toy.update.num_minibatches == 1 and toy.sample.guidance_scale == 1.0
     assert [r.name for r in toy.reward] == ["digits"] and toy.run.output_dir == "runs/toy-digits"
     sd3 = cfgs["sd3-ocr"]
-    assert (sd3.sample.group_size, sd3.sample.guidance_scale, sd3.flow_grpo.kl_beta) == (24, 4.5, 0.04)
+    assert (sd3.sample.group_size, sd3.sample.guidance_scale, sd3.flow_grpo.kl_beta) == (
+        24,
+        4.5,
+        0.04,
+    )
     assert (sd3.sample.eval_num_steps, sd3.ema.enabled, sd3.reward[0].name) == (40, True, "ocr")
     qwen = cfgs["qwen-image-ocr"]
     assert (qwen.sample.noise_level, qwen.sample.window_size, qwen.sample.window_hi) == (1.2, 2, 5)

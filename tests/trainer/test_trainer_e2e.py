@@ -266,7 +266,13 @@ def test_lora_run_exports_a_diffusers_loadable_lora(tmp_path):
     from flowgrpo.trainer.flow_grpo import run_export_lora, run_sample
     from flowgrpo.trainer.setup import SAMPLE_SALT, generators
 
-    lora = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optim.lr=3e-2", "flow_grpo.kl_beta=0"]
+    lora = [
+        "lora.enabled=true",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "optim.lr=3e-2",
+        "flow_grpo.kl_beta=0",
+    ]
     out = tmp_path / "lora"
     train(out, "trainer.max_steps=1", *lora)
     cfg = small_cfg(out, *lora, command="export")
