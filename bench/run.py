@@ -390,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
     parser.add_argument(
         "--sections",
-        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,toy",
+        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,toy,algorithms",
         help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
-        "sp,toy",
+        "sp,toy,algorithms",
     )
     args = parser.parse_args(argv)
     s = replace(QUICK if args.quick else BenchSettings(), device=args.device)
@@ -432,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.toy import bench_toy
 
         results["toy"] = bench_toy(quick=args.quick)
+    if "algorithms" in sections:  # time-to-reward of every algorithm on the toy
+        from bench.algorithms import bench_algorithms, write_report
+
+        results["algorithms"] = bench_algorithms(quick=args.quick)
+        if not args.quick:
+            write_report(results["algorithms"])
     results["targets"] = check_targets(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ def test_k_repeat_groups_across_ranks() -> None:
         assert all(len(p[0]) == m * k // world for p in parts)
         assert sum((p[0] for p in parts), []) == idx and sum((p[1] for p in parts), []) == groups
         assert any(len(set(p[1])) > 1 for p in parts)  # groups are spread, not rank-aligned
-    with pytest.raises(ValueError, match="must divide evenly over 5 ranks"):
+    with pytest.raises(ValueError, match="must divide evenly over 5 data-parallel ranks"):
         rank_slice(m * k, 5, 0)
 
 

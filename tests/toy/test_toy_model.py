@@ -124,7 +124,6 @@ def test_add_toy_parser_registers_pretrain():
     add_toy_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["toy", "pretrain", "--out", "d", "--steps", "7", "--seed", "3"])
     assert (args.out, args.steps, args.seed) == ("d", 7, 3) and callable(args.func)
-    assert callable(parser.parse_args(["toy", "quickcheck", "--steps", "2"]).func)
 
 
 def test_pretrain_smoke_writes_loadable_files(tmp_path):

@@ -334,3 +334,58 @@ def test_gpu_preset_features_on_the_toy(tmp_path):
     with pytest.warns(UserWarning, match="EMA is off"):
         live = run_eval(small_cfg(out, *feats, "ema.enabled=false", command="eval"), out)
     assert live["eval/reward_mean"] != summary["final"]["eval/reward_mean"]
+
+
+def _two_ranks(out: Path, *extra: str) -> list[str]:
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            _cli(out, *extra),
+            env=_env(
+                RANK=str(r),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    return logs
+
+
+def test_sequence_parallel_run_matches_one_process_and_resumes_across_sp(two_steps, tmp_path):
+    """`flowgrpo train fsdp.sp_degree=2` on 2 processes (one SP group: both ranks hold every
+    sample, only the first scores) reproduces the 1-process run; a checkpoint written under
+    sp = 2 resumes on 1 process without SP to the same result."""
+    single, _ = two_steps
+    out = tmp_path / "sp"
+    _two_ranks(out, "trainer.max_steps=2", "fsdp.sp_degree=2")
+    rows, ref = read_jsonl(out / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r, s in zip(rows, ref):
+        for k in ("reward_mean", "zero_std_ratio", "train/grad_norm", "train/loss", "train/kl"):
+            assert r[k] == pytest.approx(s[k], rel=1e-4, abs=1e-6), k
+        assert r["train/samples_trained"] == s["train/samples_trained"]
+    for k in EVAL_KEYS:
+        assert rows[1][k] == pytest.approx(ref[1][k], rel=1e-4, abs=1e-6), k
+    # resume: 1 step under sp = 2, then the second step on 1 process
+    half = tmp_path / "sp_then_one"
+    _two_ranks(half, "trainer.max_steps=1", "fsdp.sp_degree=2")
+    res = subprocess.run(
+        _cli(half, "trainer.max_steps=2", "trainer.resume=auto"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = read_jsonl(half / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2]
+    for k in ("reward_mean", "train/grad_norm", "train/loss"):
+        assert resumed[1][k] == pytest.approx(ref[1][k], rel=1e-4, abs=1e-6), k

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.engine.dist import DistInfo
 from flowgrpo.trainer.logging import (
     RunLogger,
     deterministic_view,
@@ -90,11 +89,10 @@ def test_per_sample_noise_depends_on_seed_step_index_only():
 
 
 def test_shards_cover_the_batch():
-    ranks = [DistInfo(r, 3, r, torch.device("cpu"), "gloo") for r in range(3)]
-    assert [shard(12, d) for d in ranks] == [(0, 4), (4, 4), (8, 4)]
-    with pytest.raises(ValueError, match="divide evenly over 3 ranks"):
-        shard(10, ranks[0])
-    parts = [padded_shard(7, d) for d in ranks]  # 3 per rank, the last padded with a repeat
+    assert [shard(12, r, 3) for r in range(3)] == [(0, 4), (4, 4), (8, 4)]
+    with pytest.raises(ValueError, match="divide evenly over 3 data-parallel ranks"):
+        shard(10, 0, 3)
+    parts = [padded_shard(7, r, 3) for r in range(3)]  # 3 per rank, the last padded
     assert parts == [([0, 1, 2], 3), ([3, 4, 5], 3), ([6, 6, 6], 1)]
 
 

@@ -117,14 +117,14 @@ class Algorithm(ABC):
         accumulating micro-batches x ``num_terms`` loss terms (the trained steps, or the NFT
         timesteps). ``micro_loss(sub, rows, scale, k)`` returns [loss, *metrics] (``keys``),
         each a mean over the micro-batch; ``scale`` is 0 for a padding micro-batch. Each
-        sample's term weighs world / (minibatch samples on all ranks x num_terms), so the
+        sample's term weighs dp_size / (minibatch samples on all ranks x num_terms), so the
         update is the mean over the minibatch and equals one process on the global batch.
         Returns one row of metrics (global means) per optimizer step taken, and the number of
         samples trained on over all ranks."""
         u, engine = self.cfg.update, self.engine
         out, plan = [], engine.plan(rows, u.num_minibatches, u.micro_batch_size)
         for mb in plan:
-            sample_weight = engine.dist.world_size / (mb.total * num_terms)
+            sample_weight = engine.dp_size / (mb.total * num_terms)
             sums = torch.zeros(len(keys), dtype=torch.float64, device=engine.dist.device)
             n_tasks, done = len(mb.micro) * num_terms, 0
             for micro in mb.micro:

@@ -108,7 +108,7 @@ class FlowGRPO(Algorithm):
         )
         out = self.summarize(steps, self.keys)
         out["samples_trained"] = float(total)
-        out["samples_dropped"] = float(batch * self.engine.dist.world_size - total)
+        out["samples_dropped"] = float(batch * self.engine.dp_size - total)
         return out
 
     def step_loss(self, sub: Trajectory, adv: torch.Tensor, k: int) -> list[torch.Tensor]:

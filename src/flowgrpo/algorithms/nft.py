@@ -20,7 +20,7 @@ import torch
 from flowgrpo.algo.nft import forward_noising, nft_loss, old_policy_decay, optimality_probability
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
 from flowgrpo.rollout import Trajectory
-from flowgrpo.settings import ge, gt, one_of, setting
+from flowgrpo.settings import ge, gt, one_of, optional, setting
 
 KEYS = ("loss", "policy_loss", "unweighted_policy_loss", "old_deviate", "kl")
 NOISE_SALT = 0x4E_F7  # the stream of the training noise, apart from the rollout's
@@ -58,6 +58,12 @@ class NFTConfig:
         "dpm2",
         "The rollout's ODE solver: `dpm2` (DPM-Solver++ 2M, the authors') or `euler`.",
         check=one_of("euler", "dpm2"),
+    )
+    timesteps: int | None = setting(
+        None,
+        "Noise levels trained per sample and update, drawn at random (per sample and step) "
+        "from the rollout's schedule; null = all of them (the authors: 9 of 10).",
+        check=optional(ge(1)),
     )
 
 
@@ -97,19 +103,30 @@ class DiffusionNFT(Algorithm):
             )
         r = optimality_probability(adv, self.settings.adv_clip_max).to(trajectory.latents.device)
         seeds = torch.as_tensor(list(sample_seeds), dtype=torch.long)
+        levels = self.noise_levels(seeds, trajectory.num_train_steps)  # [B, n]
 
         def micro_loss(sub, index, scale, k):
-            return self.step_loss(sub, r[index.to(r.device)], seeds[index], k)
+            return self.step_loss(sub, r[index.to(r.device)], seeds[index], levels[index, k], k)
 
         rows = torch.arange(len(trajectory))
-        steps, total = self.update_loop(
-            trajectory, rows, KEYS, micro_loss, trajectory.num_train_steps
-        )
+        steps, total = self.update_loop(trajectory, rows, KEYS, micro_loss, levels.shape[1])
         out = self.summarize(steps, KEYS)
         decay = old_policy_decay(self.engine.optimizer_steps, self.settings.old_policy_schedule)
         self.old.blend_(1.0 - decay)
         out.update(samples_trained=float(total), old_policy_decay=decay)
         return out
+
+    def noise_levels(self, seeds: torch.Tensor, available: int) -> torch.Tensor:
+        """[B, n]: which of the rollout's ``available`` sigmas each sample trains on: all, in
+        order, or ``timesteps`` of them drawn from the sample's seed."""
+        n = self.settings.timesteps
+        if n is None or n >= available:
+            return torch.arange(available).expand(len(seeds), available)
+        out = []
+        for s in seeds.tolist():
+            g = torch.Generator().manual_seed((s * 2_000_003 + NOISE_SALT) % 2**63)
+            out.append(torch.randperm(available, generator=g)[:n])
+        return torch.stack(out)
 
     def noise(self, seeds: torch.Tensor, k: int, like: torch.Tensor) -> torch.Tensor:
         """Fresh noise for training term k of each sample, from the sample's own seed: the
@@ -121,12 +138,14 @@ class DiffusionNFT(Algorithm):
         return torch.stack(out).to(like.device, like.dtype)
 
     def step_loss(
-        self, sub: Trajectory, r: torch.Tensor, seeds: torch.Tensor, k: int
+        self, sub: Trajectory, r: torch.Tensor, seeds: torch.Tensor, level: torch.Tensor, k: int
     ) -> list[torch.Tensor]:
-        """[loss, policy_loss, unweighted_policy_loss, old_deviate, kl] at the k-th sigma of
-        the rollout's schedule (means over the micro-batch)."""
+        """[loss, policy_loss, unweighted_policy_loss, old_deviate, kl] of the k-th trained
+        term: each sample at its ``level`` [b]-th sigma of the rollout's schedule (means over
+        the micro-batch)."""
         s, engine = self.settings, self.engine
-        x0, sigma = sub.final_latents, sub.sigmas[:, k]
+        rows = torch.arange(len(sub), device=sub.sigmas.device)
+        x0, sigma = sub.final_latents, sub.sigmas[rows, level.to(rows.device)]
         x_t = forward_noising(x0, self.noise(seeds, k, x0), sigma)
         kw = dict(guidance_scale=sub.guidance_scale, height=sub.height, width=sub.width)
 

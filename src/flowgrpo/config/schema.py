@@ -325,6 +325,16 @@ class Config:
         if self.sample.use_ema_for_rollout:
             e = self.ema.enabled
             need(e, "ema.enabled", "true with sample.use_ema_for_rollout=true", e)
+        s = self.sample
+        if self.algorithm == "grpo_guard":  # its normalised ratio is the 'sde' step's
+            need(
+                s.sde_type == "sde",
+                "sample.sde_type",
+                "'sde' with algorithm=grpo_guard",
+                s.sde_type,
+            )
+        if self.algorithm == "mix_grpo":  # its window ends before the last two steps
+            need(s.num_steps >= 3, "sample.num_steps", ">= 3 with algorithm=mix_grpo", s.num_steps)
 
 
 __all__ = [

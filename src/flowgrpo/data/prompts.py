@@ -207,8 +207,8 @@ def rank_slice(n: int, world_size: int, rank: int) -> tuple[int, int]:
     if n % world_size:
         raise ValueError(
             f"the global batch (sample.prompts_per_step x sample.group_size = {n} images per "
-            f"step) must divide evenly over {world_size} ranks: adjust sample.prompts_per_step "
-            "or sample.group_size"
+            f"step) must divide evenly over {world_size} data-parallel ranks (the world size / "
+            "fsdp.sp_degree): adjust sample.prompts_per_step or sample.group_size"
         )
     count = n // world_size
     return rank * count, count

@@ -87,6 +87,13 @@ class FSDPConfig:
         "(1 = plain FSDP).",
         check=ge(1),
     )
+    sp_degree: int = setting(
+        1,
+        "Ulysses sequence parallelism: each group of this many ranks shares one sample's "
+        "tokens (diffusers' context-parallel attention); world = replicate x shard x sp. "
+        "1 = off.",
+        check=ge(1),
+    )
 
 
 @dataclass

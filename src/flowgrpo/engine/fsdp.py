@@ -143,9 +143,19 @@ class DiffusersFSDPEngine:
                 raise ValueError(f"{self.model_class.__name__} does not support checkpointing")
             model.enable_gradient_checkpointing()
 
-        self.mesh = fdist.build_mesh(
-            self.dist.world_size, cfg.fsdp.replicate_degree, device_type=device.type
-        )
+        fs = cfg.fsdp
+        self.parallel = None  # the SP meshes when fsdp.sp_degree > 1
+        if fs.sp_degree > 1:
+            from flowgrpo.engine.sp import build_parallel_mesh
+
+            self.parallel = build_parallel_mesh(
+                self.dist.world_size, fs.replicate_degree, fs.sp_degree, device.type
+            )
+            self.mesh = self.parallel.fsdp
+        else:
+            self.mesh = fdist.build_mesh(
+                self.dist.world_size, fs.replicate_degree, device_type=device.type
+            )
         self._shard(model)
         if self._ref_model is not None:
             self._shard(self._ref_model)
@@ -218,10 +228,43 @@ class DiffusersFSDPEngine:
             if fs.cpu_offload
             else OffloadPolicy()
         )
+        if self.parallel is not None:  # after LoRA and checkpointing, before sharding
+            from flowgrpo.engine.sp import enable_sequence_parallel
+
+            enable_sequence_parallel(model, self.parallel, fs.sp_degree)
         kw = dict(mesh=self.mesh, reshard_after_forward=fs.reshard_after_forward)
         for block in transformer_blocks(model):
             fully_shard(block, mp_policy=block_mp, offload_policy=offload, **kw)
         fully_shard(model, mp_policy=root_mp, offload_policy=offload, **kw)
+        if self.parallel is not None:  # SUM over an SP group, MEAN over data-parallel ranks
+            from flowgrpo.engine.sp import set_sp_gradient_scale
+
+            set_sp_gradient_scale(model, self.parallel)
+
+    # -- data parallelism ----------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: the ranks of a sequence-parallel group share one
+        (they hold the same samples)."""
+        return self.dist.rank if self.parallel is None else self.parallel.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (world / fsdp.sp_degree)."""
+        return self.dist.world_size if self.parallel is None else self.parallel.dp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return 0 if self.parallel is None else self.parallel.sp_rank
+
+    def dp_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Of a tensor all-gathered over every rank ([world * n, ...], equal n), the rows of one
+        rank per SP group (its copies on the other ranks of the group dropped): [dp * n, ...]."""
+        sp = self.dist.world_size // self.dp_size
+        if sp == 1:
+            return gathered
+        parts = gathered.reshape(self.dist.world_size, -1, *gathered.shape[1:])
+        return parts[::sp].reshape(-1, *gathered.shape[1:])
 
     # -- policies ------------------------------------------------------------------------------
     @property
@@ -278,9 +321,10 @@ class DiffusersFSDPEngine:
         ``num_minibatches`` optimizer steps of micro-batches, balanced over ranks.
 
         The rows are shuffled with the engine's generator (advanced identically on every rank,
-        checkpointed), split evenly, and the counts of every rank all-gathered once. FSDP
-        averages gradients over ranks, so a sample weighing world / (the minibatch's samples on
-        all ranks) makes the update the mean over all of them. Every rank
+        checkpointed), split evenly, and the counts of every rank all-gathered once (an SP
+        group's ranks hold the same samples: counted once). FSDP averages gradients over the
+        data-parallel ranks, so a sample weighing dp_size / (the minibatch's samples on all of
+        them) makes the update the mean over all of them. Every rank
         runs as many micro-batches as the rank with the most (zero-weight padding on one local
         sample) so FSDP's collectives line up, and a minibatch empty on every rank is dropped.
         ``MiniBatch.total``: its samples on all ranks, for the caller's weights.
@@ -289,7 +333,7 @@ class DiffusersFSDPEngine:
         perm = rows[torch.randperm(len(rows), generator=self.generator)]
         parts = torch.tensor_split(perm, num_minibatches)
         counts = torch.tensor([len(mb) for mb in parts], device=self.dist.device)
-        counts = fdist.all_gather_tensor(counts[None]).cpu()  # [world, num_minibatches]
+        counts = self.dp_rows(fdist.all_gather_tensor(counts[None])).cpu()  # [dp, minibatches]
         plan = []
         for m, mb in enumerate(parts):
             total = int(counts[:, m].sum())

@@ -231,6 +231,17 @@ class MultiReward:
                 out[f"{s.label}/{k}"] = float(s.weight) * w
         return out
 
+    def weight_of(self, name: str) -> float | None:
+        """The weight of output ``name`` ("label", or "label/key" of a dict reward), known
+        without calling the reward (None for a name no reward gives)."""
+        label, _, key = name.partition("/")
+        for s in self.specs:
+            if s.label == label:
+                if not key or s.key_weights is None:
+                    return float(s.weight)
+                return float(s.weight) * float(s.key_weights.get(key, 0.0))
+        return None
+
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
     ) -> dict[str, torch.Tensor]:
@@ -277,10 +288,10 @@ class MultiReward:
         """``combine_rewards(rewards, self.weights, group_ids, ...)`` -> CombinedRewards."""
         from flowgrpo.algo.advantages import combine_rewards
 
-        weights = self.weights
+        weights = {k: self.weight_of(k) for k in rewards}
         return combine_rewards(
             rewards,
-            {k: weights[k] for k in rewards if k in weights},
+            {k: w for k, w in weights.items() if w is not None},
             group_ids,
             mode=mode,
             global_std=global_std,

@@ -1,5 +1,5 @@
 """The built-in toy digits task: a model (pipeline + adapter) and its rewards like any other,
-plus its data, pretraining, evaluation and an RL quick check.
+plus its data, pretraining and evaluation.
 
 It sits above everything it uses (models, rollout, rewards); nothing below imports it: the
 registries name ``ToyDigitsPipeline``'s adapter, the ``digits`` rewards and the built-in
@@ -25,7 +25,6 @@ _EXPORTS = {
     "main": "flowgrpo.toy.pretrain",
     "pretrain_toy": "flowgrpo.toy.pretrain",
     "train_digits_classifier": "flowgrpo.toy.pretrain",
-    "quickcheck": "flowgrpo.toy.quickcheck",
     "ToyDigitsPipeline": "flowgrpo.toy.pipeline",
     "parse_digit": "flowgrpo.toy.pipeline",
     "shipped_dir": "flowgrpo.toy.pipeline",

@@ -198,15 +198,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_quickcheck(args: argparse.Namespace) -> int:
-    from flowgrpo.toy.quickcheck import quickcheck
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    quickcheck(args.steps, seed=args.seed)
-    return 0
-
-
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="toy_pretrain", help="output folder (default: ./toy_pretrain)")
     p.add_argument("--steps", type=int, default=400, help="max training steps (default 400)")
@@ -221,18 +212,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_toy_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``toy pretrain`` and ``toy quickcheck`` on an argparse subparsers object; handlers are ``args.func``
-    (``func(args) -> int`` exit code)."""
+    """Register ``toy pretrain`` on an argparse subparsers object; the handler is ``args.func``
+    (``func(args) -> int`` exit code). The RL check of the toy is ``flowgrpo train``."""
     toy = subparsers.add_parser("toy", help="the built-in toy digits model")
     sub = toy.add_subparsers(dest="toy_command", required=True)
     p = sub.add_parser("pretrain", help="pretrain the toy generator by flow matching")
     _add_arguments(p)
     p.set_defaults(func=_run)
-    q = sub.add_parser("quickcheck", help="a short plain Flow-GRPO loop on the shipped toy model")
-    q.add_argument("--steps", type=int, default=20)
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    q.set_defaults(func=_run_quickcheck)
     return toy
 
 

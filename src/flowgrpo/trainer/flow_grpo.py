@@ -136,6 +136,9 @@ def score(
     With ``advantage.async_reward`` chunks are scored in a thread while the next one samples.
     A failing reward is a RunError naming the reward and, when only some samples fail, the
     first failing sample's prompt-file line (``locations``)."""
+    if run.engine.sp_rank:  # an SP group's other ranks sample alike but do not score
+        with run.algorithm.rollout_weights():
+            return rollout(run, prompts, indices, step), None, 0.0
     with run.algorithm.rollout_weights():
         if not run.cfg.advantage.async_reward:
             traj = rollout(run, prompts, indices, step)
@@ -186,9 +189,22 @@ def reward_failures(reward, images, prompts, metadata, locations, step: int):
         raise RunError(f"{message}{where} (step {step})") from e
 
 
-def gather_rewards(rewards: dict[str, torch.Tensor], device: torch.device):
-    """{name: [n_local]} -> {name: [N]} over all ranks (rank order = global sample order)."""
-    return {k: D.all_gather_tensor(v.to(device)).cpu() for k, v in sorted(rewards.items())}
+def gather_rewards(run: Run, rewards: dict[str, torch.Tensor] | None):
+    """{name: [n_local]} -> {name: [N]} over the data-parallel ranks (their order = the global
+    sample order). Under sequence parallelism only an SP group's first rank scored (``None``
+    on the others): its rewards stand for the group's."""
+    if run.engine.dp_size == run.dist.world_size:
+        return {
+            k: D.all_gather_tensor(v.to(run.dist.device)).cpu() for k, v in sorted(rewards.items())
+        }
+    parts = [p for p in D.all_gather_object(rewards) if p is not None]
+    return {k: torch.cat([p[k] for p in parts]) for k in sorted(parts[0])}
+
+
+def gather_group_firsts(run: Run, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, one per SP group (in data-parallel order)."""
+    sp = run.dist.world_size // run.engine.dp_size
+    return D.all_gather_object(obj)[::sp]
 
 
 def train_one_step(run: Run, step: int) -> dict[str, Any]:
@@ -196,13 +212,13 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     cfg, dist = run.cfg, run.dist
     t0 = time.perf_counter()
     indices, groups = run.sampler.global_step_samples(step - 1)  # all ranks, groups of K
-    start, count = S.shard(len(indices), dist)
+    start, count = S.shard(len(indices), run.engine.dp_rank, run.engine.dp_size)
     mine = list(range(start, start + count))  # this rank's global sample numbers
     prompts, metadata = run.train_data.select(indices[start : start + count])
     locations = [run.train_data.locations[i] for i in indices[start : start + count]]
     traj, local, reward_s = score(run, prompts, metadata, mine, step, locations)
     t2 = time.perf_counter()
-    rewards = gather_rewards(local, dist.device)
+    rewards = gather_rewards(run, local)
     group_ids = torch.tensor(groups)
     combined = run.reward.combine(
         rewards, group_ids, mode=cfg.advantage.mode, global_std=cfg.advantage.global_std
@@ -235,21 +251,23 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
     """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
     images of ``run.grid_index`` [n, C, H, W] on rank 0, empty elsewhere)."""
     ev = run.eval_set
-    idx, real = S.padded_shard(len(ev), run.dist)
+    idx, real = S.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
     with run.ema():
         images = rollout(run, prompts, idx, S.EVAL_SALT, eval=True).images[:real]
     where = [ev.locations[i] for i in idx[:real]]
-    with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, -1):
-        local = run.reward(images, prompts[:real], metadata[:real])
-    rewards = gather_rewards(local, run.dist.device)
-    total = sum(run.reward.weights.get(k, 0.0) * v for k, v in rewards.items())
+    local = None
+    if run.engine.sp_rank == 0:  # an SP group scores once
+        with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, -1):
+            local = run.reward(images, prompts[:real], metadata[:real])
+    rewards = gather_rewards(run, local)
+    total = sum((run.reward.weight_of(k) or 0.0) * v for k, v in rewards.items())
     out = {"eval/reward_mean": float(total.mean())}
     out.update({f"eval/{k}_mean": float(v.mean()) for k, v in rewards.items()})
     keep = [i for i, g in enumerate(idx[:real]) if g in run.grid_index]
-    shown = D.all_gather_object((images[keep] * 255).round().to(torch.uint8))
+    shown = gather_group_firsts(run, (images[keep] * 255).round().to(torch.uint8))
     if run.eval_reward is not None:  # set-level scores (e.g. diversity): every image at once
-        every = torch.cat(D.all_gather_object(images))
+        every = torch.cat(gather_group_firsts(run, images))
         with reward_failures(run.eval_reward, every, ev.prompts, ev.metadata, ev.locations, -1):
             scores = run.eval_reward(every, ev.prompts, ev.metadata)
         out.update(
@@ -269,6 +287,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
     dist = D.init_distributed()
     D.seed_everything(cfg.seed, dist.rank)
     tr = cfg.trainer
+    if dist.world_size % cfg.fsdp.sp_degree == 0:  # a clear error before the folder or model
+        S.shard(S.global_batch_size(cfg), 0, dist.world_size // cfg.fsdp.sp_degree)
     out = S.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
     run = Run(cfg, dist)
     ckpt_root = out / "checkpoints"

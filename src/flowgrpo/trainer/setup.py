@@ -112,19 +112,20 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return config_to_dict(cfg)
 
 
-def shard(n: int, dist: DistInfo) -> tuple[int, int]:
-    """This rank's (start, count) of a step's n samples (``data.prompts.rank_slice``)."""
+def shard(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Data-parallel rank ``rank``'s (start, count) of a step's n samples
+    (``data.prompts.rank_slice``)."""
     from flowgrpo.data.prompts import rank_slice
 
-    return rank_slice(n, dist.world_size, dist.rank)
+    return rank_slice(n, size, rank)
 
 
-def padded_shard(n: int, dist: DistInfo) -> tuple[list[int], int]:
-    """This rank's share of n items as (indices, number of real ones): padded by repeating an
-    index to ceil(n / W) so every rank runs the same number of forwards (FSDP collectives
-    must match); the padding's results are dropped."""
-    per = -(-n // dist.world_size)
-    idx = list(range(dist.rank * per, min(n, (dist.rank + 1) * per)))
+def padded_shard(n: int, rank: int, size: int) -> tuple[list[int], int]:
+    """Data-parallel rank ``rank``'s share of n items as (indices, number of real ones): padded
+    by repeating an index to ceil(n / size) so every rank runs the same number of forwards
+    (FSDP collectives must match); the padding's results are dropped."""
+    per = -(-n // size)
+    idx = list(range(rank * per, min(n, (rank + 1) * per)))
     real = len(idx)
     fill = idx[-1] if idx else n - 1
     return idx + [fill] * (per - real), real

@@ -1,0 +1,147 @@
+"""Run one update of an algorithm on a tiny pipeline, in 1 process or as one rank of 2 (the
+algorithm tests' worker; a spawned job runs every case in one process per rank)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
+ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
+SIZES = {"toy": (8, 8), "sd3": (16, 16), "flux": (16, 16), "qwen_image": (16, 16)}
+ALGORITHMS = ("flow_grpo", "mix_grpo", "grpo_guard", "nft")
+
+
+def pipeline(kind: str):
+    if kind == "toy":
+        from flowgrpo.toy.pipeline import ToyDigitsPipeline
+
+        return ToyDigitsPipeline.from_config(seed=0)
+    from flowgrpo.models.tiny import tiny_pipeline
+
+    return tiny_pipeline(kind)
+
+
+def config(algorithm: str, kind: str, mode: str, **over):
+    from flowgrpo.config import config_from_dict
+
+    h, w = SIZES[kind]
+    data = {
+        "algorithm": algorithm,
+        "seed": 3,
+        "model": {"height": h, "width": w},
+        "sample": {"num_steps": 4, "guidance_scale": 4.5 if kind != "flux" else 3.5},
+        "update": {"micro_batch_size": 2, "num_minibatches": 1},
+        "lora": {"enabled": mode == "lora", "rank": 4, "alpha": 8},
+        # eps >> |grad|: AdamW's first step ~ lr * grad (Adam's sign-like step would turn the
+        # rounding of near-zero gradients into lr-sized differences)
+        "optim": {"lr": 1.0, "eps": 1.0, "weight_decay": 0.0, "max_grad_norm": 1e6},
+        "fsdp": {"param_dtype": "fp32"},
+        "flow_grpo": {"clip_range": 0.5, "kl_beta": 0.05},
+        "mix_grpo": {"clip_range": 0.5, "window_size": 2, "shift_interval": 1},
+        "grpo_guard": {"clip_range": 0.5, "bias_reduce": "sample"},
+        "nft": {"kl_beta": 0.05},
+    }
+    for key, value in over.items():
+        section, _, field = key.partition(".")
+        data.setdefault(section, {})[field] = value
+    return config_from_dict(data)
+
+
+def run(
+    algorithm: str,
+    kind: str,
+    mode: str,
+    rank: int = 0,
+    world: int = 1,
+    advantages: torch.Tensor = ADVANTAGES,
+    **over,
+) -> dict:
+    """One rollout of step 1 (each rank its share, per-sample noise by global index) and one
+    update: the trainable params after it, the metrics and the rollout's trained steps."""
+    from flowgrpo.engine import init_distributed
+    from flowgrpo.models import build_adapter
+    from flowgrpo.rollout import sample_trajectories
+    from flowgrpo.trainer.setup import build_engine, sample_seed
+
+    cfg = config(algorithm, kind, mode, **over)
+    dist = init_distributed()
+    adapter = build_adapter(pipeline(kind))
+    engine, algo = build_engine(cfg, adapter, dist)
+    share = len(PROMPTS) // world
+    mine = list(range(rank * share, (rank + 1) * share))
+    plan = algo.rollout_plan(1)
+    gens = [torch.Generator().manual_seed(sample_seed(cfg.seed, 1, i)) for i in mine]
+    with torch.no_grad(), algo.rollout_weights():
+        traj = sample_trajectories(
+            adapter,
+            [PROMPTS[i] for i in mine],
+            num_steps=plan.num_steps,
+            guidance_scale=plan.guidance_scale,
+            noise_level=plan.noise_level,
+            sde_type=plan.sde_type,
+            height=cfg.model.height,
+            width=cfg.model.width,
+            generator=gens,
+            sde_window=plan.sde_window,
+            sigmas=plan.sigmas,
+            ode_solver=plan.ode_solver,
+            record_means=plan.record_means,
+            decode=False,
+        )
+    seeds = [sample_seed(cfg.seed, 1, i) for i in mine]
+    metrics = algo.update(traj, advantages[mine], step=1, sample_seeds=seeds)
+    return {"params": trainable(engine), "metrics": metrics, "steps": traj.step_indices.cpu()}
+
+
+def trainable(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.model.named_parameters():
+        if p.requires_grad:
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = p.detach().clone()
+    return out
+
+
+def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]:
+    """The trainable params of the case before any update."""
+    from flowgrpo.engine import init_distributed
+    from flowgrpo.models import build_adapter
+    from flowgrpo.trainer.setup import build_engine
+
+    cfg = config(algorithm, kind, mode)
+    engine, _ = build_engine(cfg, build_adapter(pipeline(kind)), init_distributed())
+    return trainable(engine)
+
+
+CASES = [(a, k, m) for a in ALGORITHMS for k in ("toy", "sd3", "flux", "qwen_image")
+         for m in ("lora", "full")]  # fmt: skip
+
+
+def job(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        HF_HUB_OFFLINE="1",
+    )
+    torch.set_num_threads(1)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from flowgrpo.engine import cleanup
+
+    results = {}
+    for case in CASES:
+        try:
+            results[case] = run(*case, rank=rank, world=world)
+        except Exception as e:  # noqa: BLE001 - reported by the test, not a hang
+            results[case] = {"error": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        torch.save(results, out)
+    cleanup()

@@ -1,0 +1,95 @@
+"""Rollout and one Flow-GRPO update through the engine with sequence parallelism (sp = 2 over
+2 ranks) or without it (1 process): the worker of tests/engine/test_sp_training.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
+ADVANTAGES = torch.tensor([1.0, -0.5])
+KINDS = ("qwen_image", "flux", "sd3")
+MODES = ("lora", "full")
+
+
+def run(kind: str, mode: str, sp: int) -> dict:
+    from flowgrpo.config import config_from_dict
+    from flowgrpo.engine import init_distributed
+    from flowgrpo.models import build_adapter
+    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+    from flowgrpo.trainer.setup import build_engine
+
+    cfg = config_from_dict(
+        {
+            "seed": 1,
+            "fsdp": {"param_dtype": "fp32", "sp_degree": sp},
+            "lora": {"enabled": mode == "lora", "rank": 4, "alpha": 8},
+            "optim": {"lr": 1.0, "eps": 1.0, "weight_decay": 0.0, "max_grad_norm": 1e6},
+            "update": {"micro_batch_size": 2, "num_minibatches": 1},
+            "flow_grpo": {"clip_range": 0.5, "kl_beta": 0.05},
+        }
+    )
+    pipe = tiny_pipeline(kind)
+    options = {"true_cfg_scale": 4.0} if kind == "flux" else {}
+    adapter = build_adapter(pipe, **options)
+    engine, algo = build_engine(cfg, adapter, init_distributed())
+    seen: list[int] = []  # tokens reaching proj_out on this rank (halved under SP: the
+    # output is gathered after it)
+    adapter.transformer.proj_out.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[1])
+    )
+    g = 3.5 if kind == "flux" else 4.0
+    kw = dict(num_steps=3, guidance_scale=g, height=32, width=32, decode=False)
+
+    def gens():
+        return [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
+
+    with torch.no_grad():
+        ode = sample_trajectories(adapter, PROMPTS, noise_level=0.0, generator=gens(), **kw)
+        traj = sample_trajectories(adapter, PROMPTS, noise_level=0.8, generator=gens(), **kw)
+        recomputed = torch.stack(
+            [
+                trajectory_log_prob(adapter, engine.model, traj, k).log_prob
+                for k in range(traj.num_train_steps)
+            ],
+            dim=1,
+        )
+    metrics = algo.update(traj, ADVANTAGES, step=1, sample_seeds=[0, 1])
+    params = {}
+    for name, p in engine.model.named_parameters():
+        if p.requires_grad:
+            params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return {
+        "final": ode.final_latents.cpu(),
+        "log_probs": traj.log_probs.cpu(),
+        "log_ratio": (recomputed - traj.log_probs).abs().max().item(),
+        "params": params,
+        "metrics": metrics,
+        "tokens": max(seen),
+        "dp_size": engine.dp_size,
+    }
+
+
+def job(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        HF_HUB_OFFLINE="1",
+    )
+    torch.set_num_threads(1)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from flowgrpo.engine import cleanup
+
+    results = {(k, m): run(k, m, sp=world) for k in KINDS for m in MODES}
+    if rank == 0:
+        torch.save(results, out)
+    cleanup()
