@@ -144,7 +144,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     def job() -> None:
         paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out)
         if _is_main_rank():
-            print(f"wrote {len(paths)} image(s) to {args.out}")
+            print(f"wrote {len(paths)} sample(s) to {args.out}")
 
     return _in_process_group(cfg, job)
 

@@ -13,6 +13,9 @@ HERE = Path(__file__).resolve().parent
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
 SIZES = {"toy": (8, 8), "sd3": (16, 16), "flux": (16, 16), "qwen_image": (16, 16)}
+SIZES.update(wan=(32, 48), wan22=(32, 48))  # videos of 5 frames (2 latent frames)
+FRAMES = {"wan": 5, "wan22": 5}
+KINDS = ("toy", "sd3", "flux", "qwen_image", "wan", "wan22")
 ALGORITHMS = ("flow_grpo", "mix_grpo", "grpo_guard", "nft")
 
 
@@ -33,7 +36,7 @@ def config(algorithm: str, kind: str, mode: str, **over):
     data = {
         "algorithm": algorithm,
         "seed": 3,
-        "model": {"height": h, "width": w},
+        "model": {"height": h, "width": w, "num_frames": FRAMES.get(kind)},
         "sample": {"num_steps": 4, "guidance_scale": 4.5 if kind != "flux" else 3.5},
         "update": {"micro_batch_size": 2, "num_minibatches": 1},
         "lora": {"enabled": mode == "lora", "rank": 4, "alpha": 8},
@@ -70,7 +73,7 @@ def run(
 
     cfg = config(algorithm, kind, mode, **over)
     dist = init_distributed()
-    adapter = build_adapter(pipeline(kind))
+    adapter = build_adapter(pipeline(kind), **frames_option(kind))
     engine, algo = build_engine(cfg, adapter, dist)
     share = len(PROMPTS) // world
     mine = list(range(rank * share, (rank + 1) * share))
@@ -98,6 +101,10 @@ def run(
     return {"params": trainable(engine), "metrics": metrics, "steps": traj.step_indices.cpu()}
 
 
+def frames_option(kind: str) -> dict[str, int]:
+    return {"num_frames": FRAMES[kind]} if kind in FRAMES else {}
+
+
 def trainable(engine) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in engine.model.named_parameters():
@@ -114,12 +121,12 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
     from flowgrpo.trainer.setup import build_engine
 
     cfg = config(algorithm, kind, mode)
-    engine, _ = build_engine(cfg, build_adapter(pipeline(kind)), init_distributed())
+    adapter = build_adapter(pipeline(kind), **frames_option(kind))
+    engine, _ = build_engine(cfg, adapter, init_distributed())
     return trainable(engine)
 
 
-CASES = [(a, k, m) for a in ALGORITHMS for k in ("toy", "sd3", "flux", "qwen_image")
-         for m in ("lora", "full")]  # fmt: skip
+CASES = [(a, k, m) for a in ALGORITHMS for k in KINDS for m in ("lora", "full")]
 
 
 def job(rank: int, world: int, port: int, out: str) -> None:

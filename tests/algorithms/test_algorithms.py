@@ -1,5 +1,6 @@
-"""Every algorithm with every adapter (toy, sd3, flux, qwen_image), LoRA and full: an update on
-2 gloo ranks equals 1 process, and each algorithm's own numeric checks (issue 15)."""
+"""Every algorithm with every adapter (toy, sd3, flux, qwen_image, wan, wan22 = Wan2.2's two
+experts), LoRA and full: an update on 2 gloo ranks equals 1 process, and each algorithm's own
+numeric checks (issue 15)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
 ADVANTAGES = torch.tensor([1.0, -0.5])
-KINDS = ("qwen_image", "flux", "sd3")
+KINDS = ("qwen_image", "flux", "sd3", "wan")
 MODES = ("lora", "full")
 
 
@@ -35,7 +35,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
         }
     )
     pipe = tiny_pipeline(kind)
-    options = {"true_cfg_scale": 4.0} if kind == "flux" else {}
+    options = {"flux": {"true_cfg_scale": 4.0}, "wan": {"num_frames": 5}}.get(kind, {})
     adapter = build_adapter(pipe, **options)
     engine, algo = build_engine(cfg, adapter, init_distributed())
     seen: list[int] = []  # tokens reaching proj_out on this rank (halved under SP: the

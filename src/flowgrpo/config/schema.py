@@ -60,9 +60,21 @@ class ModelConfig:
     )
     max_sequence_length: int | None = setting(
         None,
-        "Text tokens per prompt (T5 / Qwen); null = the pipeline's default (SD3 256, FLUX 512, "
-        "Qwen-Image 512).",
+        "Text tokens per prompt (T5 / Qwen / UMT5); null = the pipeline's default (SD3 256, "
+        "FLUX 512, Qwen-Image 512, Wan 512).",
         check=optional(ge(1)),
+    )
+    num_frames: int | None = setting(
+        None,
+        "Video models (Wan): frames per video, 4k + 1 (5, 9, 33, 81); null = the adapter's "
+        "default (Wan: 81). Image models refuse it.",
+        check=optional(ge(1)),
+    )
+    guidance_scale_2: float | None = setting(
+        None,
+        "Wan2.2 (two experts) only: CFG scale of the low-noise expert; null = "
+        "`sample.guidance_scale`.",
+        check=optional(ge(0)),
     )
 
 

@@ -121,6 +121,11 @@ class DiffusersFSDPEngine:
         self.dist = dist or fdist.init_distributed()
         model = adapter.transformer
         self.model_class = type(model)
+        self.component_classes = {  # Wan2.2's experts, before sharding renames their classes
+            c: type(getattr(model, c))
+            for c in ("transformer", "transformer_2")
+            if hasattr(model, "split_state_dict")
+        }
         self.use_lora = cfg.lora.enabled
         device = self.dist.device
         self.param_dtype = resolve_dtype(cfg.fsdp.param_dtype, device)
@@ -449,7 +454,9 @@ class DiffusersFSDPEngine:
     def export_lora(self, path: str | Path) -> Path:
         """Write the LoRA as diffusers' ``pytorch_lora_weights.safetensors`` (with the peft
         config as adapter metadata) that ``pipe.load_lora_weights(dir)`` loads. ``path`` is a
-        directory, or a file name ending in .safetensors. Collective. Returns the file."""
+        directory, or a file name ending in .safetensors. Collective. Returns the file.
+        Wan2.2's second expert goes to ``expert_file(name, "transformer_2")`` beside it
+        (``pipe.load_lora_weights(dir, weight_name=..., load_into_transformer_2=True)``)."""
         if not self.use_lora:
             raise ValueError("export_lora needs lora.enabled; use save_full for a full fine-tune")
         path = Path(path)
@@ -468,27 +475,36 @@ class DiffusersFSDPEngine:
             lora = get_peft_model_state_dict(self.model, state_dict=state)
             meta = self.model.peft_config["default"].to_dict()
             folder.mkdir(parents=True, exist_ok=True)
-            pipe_cls.save_lora_weights(
-                folder,
-                transformer_lora_layers=lora,
-                transformer_lora_adapter_metadata=meta,
-                weight_name=name,
-            )
+            split = getattr(self.model, "split_state_dict", None)  # Wan2.2's two experts
+            parts = {"transformer": lora} if split is None else split(lora)
+            for component, layers in parts.items():
+                pipe_cls.save_lora_weights(
+                    folder,
+                    transformer_lora_layers=layers,
+                    transformer_lora_adapter_metadata=meta,
+                    weight_name=expert_file(name, component),
+                )
         fdist.barrier()
         return folder / name
 
     def save_full(self, path: str | Path) -> Path:
         """``save_pretrained`` of the full transformer (LoRA merged into the base weights), so
-        ``TransformerClass.from_pretrained(path)`` loads it. Collective. Returns ``path``."""
+        ``TransformerClass.from_pretrained(path)`` loads it (Wan2.2: ``path/transformer`` and
+        ``path/transformer_2``, one per expert). Collective. Returns ``path``."""
         path = Path(path)
         state = self.full_state_dict()
         if self.dist.is_main:
             if self.use_lora:
                 state = merge_lora(state, self.model.peft_config["default"])
-            with torch.device("meta"):
-                fresh = self.model_class.from_config(self.model.config)
-            fresh.load_state_dict(state, strict=True, assign=True)
-            fresh.save_pretrained(path)
+            split = getattr(self.model, "split_state_dict", None)  # Wan2.2's two experts
+            parts = {"": state} if split is None else split(state)
+            for component, part in parts.items():
+                cls = self.component_classes[component] if component else self.model_class
+                expert = getattr(self.model, component) if component else self.model
+                with torch.device("meta"):
+                    fresh = cls.from_config(expert.config)
+                fresh.load_state_dict(part, strict=True, assign=True)
+                fresh.save_pretrained(path / component if component else path)
         fdist.barrier()
         return path
 
@@ -515,4 +531,20 @@ def merge_lora(state: dict[str, torch.Tensor], peft_config) -> dict[str, torch.T
     return out
 
 
-__all__ = ["DiffusersFSDPEngine", "LRLambda", "merge_lora", "resolve_dtype", "transformer_blocks"]
+__all__ = [
+    "DiffusersFSDPEngine",
+    "LRLambda",
+    "expert_file",
+    "merge_lora",
+    "resolve_dtype",
+    "transformer_blocks",
+]
+
+
+def expert_file(name: str, component: str) -> str:
+    """The LoRA file of a pipeline component: ``name`` for the transformer, ``<stem>_2.<ext>``
+    for Wan2.2's ``transformer_2``."""
+    if component == "transformer":
+        return name
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}_2{dot}{ext}" if dot else f"{name}_2"

@@ -60,6 +60,8 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
             (m, sel.nonzero().squeeze(1))
             for m, sel in ((self.transformer, high), (self.transformer_2, ~high))
         ]
+        if _ranks_share_collectives():
+            return (self._forward_both(parts, hidden_states, timestep, encoder_hidden_states, kw),)
         parts = [(m, idx) for m, idx in parts if idx.numel()]
         if len(parts) == 1:
             return parts[0][0](
@@ -77,6 +79,43 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
         ]
         order = torch.cat([idx for _, idx in parts])
         return (torch.cat(outs)[torch.argsort(order)],)
+
+    @staticmethod
+    def _forward_both(parts, hidden_states, timestep, encoder_hidden_states, kw):
+        """On several ranks every rank runs BOTH experts, in the same order, through the same
+        ops, whatever its samples: FSDP's all-gathers and reduce-scatters are collectives that
+        must match across ranks, and the experts' blocks have equal shapes, so a rank whose
+        micro-batch holds only high-noise samples would otherwise pair its collectives with
+        another rank's low-noise ones (a hang, or gradients summed across experts). An expert
+        without samples runs on the first sample, and that row is dropped by the final
+        gather, whose backward gives it an exact zero gradient (its backward still runs, so
+        the gradient collectives match too)."""
+        outs, rows, offset = [], [], 0
+        for m, idx in parts:
+            real = idx.numel() > 0
+            take = idx if real else idx.new_zeros(1)
+            outs.append(
+                m(
+                    hidden_states[take],
+                    timestep[take],
+                    encoder_hidden_states[take],
+                    return_dict=False,
+                    **kw,
+                )[0]
+            )
+            if real:
+                rows.append((idx, torch.arange(offset, offset + idx.numel(), device=idx.device)))
+            offset += take.numel()
+        where = torch.empty(hidden_states.shape[0], dtype=torch.long, device=hidden_states.device)
+        for idx, at in rows:
+            where[idx] = at
+        return torch.cat(outs)[where]
+
+
+def _ranks_share_collectives() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:

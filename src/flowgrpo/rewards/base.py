@@ -2,7 +2,8 @@
 
 A reward is a callable ``(images [B, C, H, W] float in [0, 1] on CPU, prompts list[str],
 metadata list[dict]) -> B floats`` (list, array or tensor) or ``dict key -> B floats``
-(docs/rewards.md). Built-ins are registered lazily by name so that importing this
+(docs/rewards.md). Videos are [B, C, F, H, W]: an image reward scores their frames
+(``flowgrpo.rewards.video``), a reward with ``accepts_video = True`` the whole video. Built-ins are registered lazily by name so that importing this
 module never imports transformers or onnxruntime.
 """
 
@@ -33,6 +34,7 @@ _REGISTRY: dict[str, Any] = {
     "clip_score": "flowgrpo.rewards.clip:ClipScore",
     "pickscore": "flowgrpo.rewards.clip:PickScore",
     "remote": "flowgrpo.rewards.remote:RemoteReward",
+    "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
 }
 
 
@@ -110,6 +112,7 @@ def build_reward(name_or_import_path: str, **options: Any) -> RewardFn:
         return obj(images, prompts, metadata, **options)
 
     bound.__name__ = getattr(obj, "__name__", "reward")
+    bound.accepts_video = getattr(obj, "accepts_video", False)  # type: ignore[attr-defined]
     return bound
 
 
@@ -133,9 +136,10 @@ def validate_images(images: Any, prompts: Any, metadata: Any) -> None:
     """Check the reward input contract; ValueError naming the culprit otherwise."""
     if not isinstance(images, torch.Tensor):
         raise ValueError(f"reward images must be a torch.Tensor, got {type(images).__name__}")
-    if images.dim() != 4 or images.shape[1] not in (1, 3):
+    if images.dim() not in (4, 5) or images.shape[1] not in (1, 3):
         raise ValueError(
-            f"reward images must be [B, C, H, W] with C in (1, 3), got {tuple(images.shape)}"
+            "reward images must be [B, C, H, W] (videos [B, C, F, H, W]) with C in (1, 3), "
+            f"got {tuple(images.shape)}"
         )
     if not images.is_floating_point():
         raise ValueError(
@@ -197,8 +201,11 @@ class MultiReward:
         check_labels(self.specs)
         for spec in self.specs:
             spec.check()
+        from flowgrpo.rewards.video import lift_to_video
+
         self.fns: dict[str, RewardFn] = {
-            s.label: build_reward(s.name, **s.options) for s in self.specs
+            s.label: lift_to_video(build_reward(s.name, **s.options), s.frames, s.label)
+            for s in self.specs
         }
         self._keys: dict[str, list[str]] = {}  # label -> dict keys seen (dict rewards)
 
@@ -209,7 +216,9 @@ class MultiReward:
         """Wrap already-built callables ``{name: fn}`` (weights default to 1)."""
         m = cls.__new__(cls)
         m.specs = [RewardSpec(k, float((weights or {}).get(k, 1.0)), alias=k) for k in fns]
-        m.fns = dict(fns)
+        from flowgrpo.rewards.video import lift_to_video
+
+        m.fns = {k: lift_to_video(fn, "all", k) for k, fn in fns.items()}
         m._keys = {}
         return m
 

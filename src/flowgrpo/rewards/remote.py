@@ -1,7 +1,8 @@
 """Remote reward client (standard library only) and the JSON protocol it shares with server.py.
 
 Protocol: ``POST <url>`` with JSON ``{"images": [base64 PNG, ...], "prompts": [...],
-"metadata": [...]}`` (optional header ``Authorization: Bearer <token>``); the answer is
+"metadata": [...]}`` (optional header ``Authorization: Bearer <token>``); videos
+[B, C, F, H, W] travel as their B·F frames in order (video by video) plus ``"frames": F``; the answer is
 ``{"scores": [B floats]}`` or ``{"scores": {key: [B floats]}}``, or on error ``{"error": msg}``
 with a 4xx/5xx status. ``GET <base>/health`` answers ``{"status": "ok", "reward": name}``.
 The server (server.py) refuses images over its pixel caps with 413, read from the PNG headers.
@@ -36,6 +37,22 @@ def encode_images(images: torch.Tensor) -> list[str]:
     return out
 
 
+def flatten_videos(images: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """Videos [B, C, F, H, W] -> (their frames [B·F, C, H, W], F); images -> (images, None)."""
+    if images.dim() != 5:
+        return images, None
+    b, c, f, h, w = images.shape
+    return images.transpose(1, 2).reshape(b * f, c, h, w), f
+
+
+def unflatten_videos(frames: torch.Tensor, num_frames: int | None) -> torch.Tensor:
+    """The inverse of ``flatten_videos``: [B·F, C, H, W] -> [B, C, F, H, W]."""
+    if num_frames is None:
+        return frames
+    n, c, h, w = frames.shape
+    return frames.view(n // num_frames, num_frames, c, h, w).transpose(1, 2)
+
+
 def decode_images(data: list[str]) -> torch.Tensor:
     """B base64 PNG strings -> [B, C, H, W] float32 in [0, 1]."""
     pils = []
@@ -68,8 +85,10 @@ class RemoteReward:
     Each call POSTs the batch; a timeout, connection error or 5xx answer is retried up to
     ``retries`` times with exponential ``backoff`` (s); 4xx answers are not retried. The
     final failure raises RuntimeError naming the URL. ``token`` defaults to
-    $FLOWGRPO_REWARD_TOKEN.
+    $FLOWGRPO_REWARD_TOKEN. Videos are sent whole; the server lifts an image reward to them.
     """
+
+    accepts_video = True
 
     def __init__(
         self,
@@ -102,11 +121,14 @@ class RemoteReward:
     def __call__(
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
     ) -> list[float] | dict[str, list[float]]:
+        frames, num_frames = flatten_videos(images)
         payload = {
-            "images": encode_images(images),
+            "images": encode_images(frames),
             "prompts": list(prompts),
             "metadata": _jsonable(list(metadata)),
         }
+        if num_frames is not None:
+            payload["frames"] = num_frames
         body = json.dumps(payload).encode("utf-8")
         attempts = self.retries + 1
         last = ""

@@ -7,8 +7,9 @@ One request is scored at a time (rewards need not be thread-safe); requests queu
 Memory is bounded by pixels, not only bytes: a PNG of a blank 12000x12000 image is 0.2 MB but
 holds 144 M pixels (0.4 GB as RGB, 1.7 GB as a float32 RGB tensor). Each image's size is read from its PNG header before any
 decoding, and a request over ``--max-pixels`` per image or ``--max-request-pixels`` in all is
-refused with 413. Only base64 PNG is accepted (415 otherwise); metadata must be a list of
-objects (400 otherwise).
+refused with 413 (a video counts all its frames). Only base64 PNG is accepted (415 otherwise);
+metadata must be a list of objects (400 otherwise). Videos arrive as their frames plus
+``"frames": F``; an image reward scores every frame and averages (``lift_to_video``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from PIL import Image
 
 from flowgrpo.rewards._image import from_pil
 from flowgrpo.rewards.base import RewardFn, build_reward, to_score_tensor, validate_images
-from flowgrpo.rewards.remote import TOKEN_ENV
+from flowgrpo.rewards.remote import TOKEN_ENV, unflatten_videos
+from flowgrpo.rewards.video import lift_to_video
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_MB = 256.0
@@ -124,7 +126,20 @@ def parse_request(req: Any, max_pixels: int, max_request_pixels: int) -> tuple:
         metadata = [{} for _ in prompts]
     if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
         raise RequestError(400, "'metadata' must be a list of JSON objects, one per image")
+    frames = req.get("frames")
+    if frames is not None and (
+        isinstance(frames, bool) or not isinstance(frames, int) or frames < 1
+    ):
+        raise RequestError(400, f"'frames' must be a whole number >= 1, got {frames!r}")
     images = read_images(req["images"], max_pixels, max_request_pixels)
+    if frames is not None:
+        if images.shape[0] != frames * len(prompts):
+            raise RequestError(
+                400,
+                f"{images.shape[0]} frames do not make {len(prompts)} videos of {frames} frames "
+                "(send each video's frames in order, one prompt per video)",
+            )
+        images = unflatten_videos(images, frames)
     validate_images(images, prompts, metadata)
     return images, prompts, metadata
 
@@ -152,7 +167,7 @@ class RewardHTTPServer(ThreadingHTTPServer):
                 f"{max_request_bytes}, max_pixels={max_pixels}, "
                 f"max_request_pixels={max_request_pixels}"
             )
-        self.reward = reward
+        self.reward = lift_to_video(reward, "all", name)
         self.reward_name = name
         self.token = token or None
         self.max_request_bytes = int(max_request_bytes)

@@ -38,6 +38,11 @@ class RewardSpec:
         "Weights of the entries of a dict-returning reward (unlisted entries are only logged).",
     )
     alias: str | None = setting(None, "Name in logs (to use one reward twice).")
+    frames: str | int = setting(
+        "all",
+        "Videos: an image reward scores every frame (`all`) or this many evenly spaced ones "
+        "(first and last included), averaged per video; a video reward gets the whole video.",
+    )
 
     @property
     def label(self) -> str:
@@ -57,12 +62,31 @@ class RewardSpec:
                 f"config key 'reward.{self.label}.weight' must be a finite number, "
                 f"got {self.weight!r}"
             )
+        try:
+            self.frames = check_frames(self.frames, f"config key 'reward.{self.label}.frames'")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for k, w in (self.key_weights or {}).items():
             if not math.isfinite(w):
                 raise ConfigError(
                     f"config key 'reward.{self.label}.key_weights.{k}' must be a finite "
                     f"number, got {w!r}"
                 )
+
+
+def check_frames(frames: Any, key: str = "frames") -> str | int:
+    """``"all"`` or a whole number >= 1; ValueError naming ``key`` otherwise."""
+    if frames == "all":
+        return "all"
+    if isinstance(frames, bool) or not isinstance(frames, (int, str)):
+        raise ValueError(f"{key} must be 'all' or a whole number >= 1, got {frames!r}")
+    try:
+        n = int(frames)
+    except ValueError:
+        raise ValueError(f"{key} must be 'all' or a whole number >= 1, got {frames!r}") from None
+    if n < 1:
+        raise ValueError(f"{key} must be 'all' or a whole number >= 1, got {frames!r}")
+    return n
 
 
 def check_labels(specs: list[RewardSpec], key: str = "reward") -> None:
@@ -139,6 +163,8 @@ def _from_mapping(item: Mapping, key: str) -> RewardSpec:
             spec.key_weights = {str(k): _number(v, f"{key}.{name}.{k}") for k, v in value.items()}
     if item.get("alias") is not None:
         spec.alias = str(item["alias"])
+    if item.get("frames") is not None:
+        spec.frames = item["frames"]
     return spec
 
 
@@ -173,6 +199,7 @@ def parse_reward_specs(value: Any, key: str = "reward") -> list[RewardSpec]:
                     dict(item.options),
                     None if item.key_weights is None else dict(item.key_weights),
                     item.alias,
+                    item.frames,
                 )
             )
         elif isinstance(item, str):
@@ -192,4 +219,4 @@ def parse_reward_specs(value: Any, key: str = "reward") -> list[RewardSpec]:
     return out
 
 
-__all__ = ["RewardSpec", "check_labels", "parse_reward_specs"]
+__all__ = ["RewardSpec", "check_frames", "check_labels", "parse_reward_specs"]

@@ -1,5 +1,6 @@
 """Run logging: metrics.jsonl, tensorboard, optional wandb, a progress bar, and end-of-run
-figures (reward curve, before/after image grids, a base-vs-final table).
+figures (reward curve, before/after image grids, a base-vs-final table). Videos
+[N, C, F, H, W] become animated GIFs (PIL): grids, tensorboard, wandb and sample files.
 
 Only rank 0 logs: every other rank gets a ``RunLogger(enabled=False)`` whose methods do
 nothing. tensorboard and wandb are imported only when enabled; wandb's offline mode works
@@ -8,6 +9,7 @@ without a network (``run.wandb="offline"``).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 TIME_PREFIX = "time/"
+VIDEO_FPS = 8  # of the GIFs (flow_grpo writes its Wan videos at 8 fps too)
 NON_DETERMINISTIC_KEYS = ("images_per_s",)  # with every "time/..." key: wall-clock figures
 
 
@@ -106,27 +109,66 @@ def make_grid(images: torch.Tensor, nrow: int | None = None, min_cell: int = 64)
     return (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
 
 
-def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
-    """Write ``make_grid(images, nrow)`` as a PNG; returns the path."""
+def video_grid(videos: torch.Tensor, nrow: int | None = None) -> list[np.ndarray]:
+    """videos [N, C, F, H, W] in [0, 1] -> F grid frames (``make_grid`` of each frame)."""
+    if videos.dim() != 5:
+        raise ValueError(f"video_grid needs videos [N, C, F, H, W], got {tuple(videos.shape)}")
+    return [make_grid(videos[:, :, f], nrow) for f in range(videos.shape[2])]
+
+
+def gif_bytes(frames: list[np.ndarray], fps: int = VIDEO_FPS) -> bytes:
+    """uint8 [H, W, 3] frames -> an animated GIF that loops (PIL; diffusers' export_to_gif)."""
     from PIL import Image
 
+    pils = [Image.fromarray(f) for f in frames]
+    buf = io.BytesIO()
+    pils[0].save(
+        buf,
+        format="GIF",
+        save_all=True,
+        append_images=pils[1:],
+        duration=max(1, round(1000 / fps)),
+        loop=0,
+    )
+    return buf.getvalue()
+
+
+def grid_path(path: str | Path, images: torch.Tensor) -> Path:
+    """Where ``save_grid`` writes ``images``: ``path`` as .png, or as .gif for videos."""
     path = Path(path)
+    return path.with_suffix(".gif") if images.dim() == 5 else path
+
+
+def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
+    """Write ``make_grid(images, nrow)`` as a PNG, or videos [N, C, F, H, W] as an animated
+    GIF beside it (``grid_path``); returns the path written."""
+    from PIL import Image
+
+    path = grid_path(path, images)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(make_grid(images, nrow)).save(path)
+    if images.dim() == 5:
+        path.write_bytes(gif_bytes(video_grid(images, nrow)))
+    else:
+        Image.fromarray(make_grid(images, nrow)).save(path)
     return path
 
 
 def save_images(images: torch.Tensor, out_dir: str | Path, stem: str = "sample") -> list[Path]:
-    """One PNG per image [N, C, H, W] in [0, 1] (tiny images upscaled like the grids)."""
+    """One PNG per image [N, C, H, W] in [0, 1], or one animated GIF per video
+    [N, C, F, H, W] (tiny ones upscaled like the grids)."""
     from PIL import Image
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, img in enumerate(images):
-        p = out_dir / f"{stem}_{i:04d}.png"
-        arr = make_grid(img[None], nrow=1)[2:-2, 2:-2]  # strip the border
-        Image.fromarray(arr).save(p)
+        if img.dim() == 4:  # a video [C, F, H, W]
+            p = out_dir / f"{stem}_{i:04d}.gif"
+            p.write_bytes(gif_bytes([g[2:-2, 2:-2] for g in video_grid(img[None], nrow=1)]))
+        else:
+            p = out_dir / f"{stem}_{i:04d}.png"
+            arr = make_grid(img[None], nrow=1)[2:-2, 2:-2]  # strip the border
+            Image.fromarray(arr).save(p)
         paths.append(p)
     return paths
 
@@ -169,10 +211,10 @@ def plot_reward_curve(
 def write_final_report(
     out: Path, grid: torch.Tensor, nrow: int, summary: Mapping[str, Any], logger: RunLogger
 ) -> dict[str, str]:
-    """End of a run (rank 0): ``grid_after.png``, ``reward_curve.png`` and the printed
+    """End of a run (rank 0): ``grid_after.png`` (.gif for videos), ``reward_curve.png`` and the printed
     base-vs-final table. Returns the figure paths."""
     paths = {
-        "grid_before": str(out / "grid_before.png"),
+        "grid_before": str(grid_path(out / "grid_before.png", grid)),
         "grid_after": str(save_grid(grid, out / "grid_after.png", nrow)),
         "reward_curve": str(
             plot_reward_curve(
@@ -306,6 +348,9 @@ class RunLogger:
         """An image grid [N, C, H, W] in [0, 1] to tensorboard / wandb."""
         if not self.enabled or (self._tb is None and self._wandb is None):
             return
+        if images.dim() == 5:
+            self._log_video(tag, video_grid(images, nrow), step)
+            return
         grid = make_grid(images, nrow)
         if self._tb is not None:
             self._tb.add_image(tag, grid, step, dataformats="HWC")
@@ -313,6 +358,26 @@ class RunLogger:
             import wandb as wandb_lib
 
             self._wandb.log({tag: wandb_lib.Image(grid)}, step=step)
+
+    def _log_video(self, tag: str, frames: list[np.ndarray], step: int) -> None:
+        """An animated GIF grid: to tensorboard as an encoded image summary (what
+        ``add_video`` writes, without its moviepy dependency), to wandb as a Video."""
+        gif = gif_bytes(frames)
+        if self._tb is not None:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            h, w = frames[0].shape[:2]
+            image = Summary.Image(height=h, width=w, colorspace=3, encoded_image_string=gif)
+            summary = Summary(value=[Summary.Value(tag=tag, image=image)])
+            self._tb._get_file_writer().add_summary(summary, step)
+        if self._wandb is not None:
+            import tempfile
+
+            import wandb as wandb_lib
+
+            with tempfile.NamedTemporaryFile(suffix=".gif", delete=False) as f:
+                f.write(gif)
+            self._wandb.log({tag: wandb_lib.Video(f.name, format="gif")}, step=step)
 
     def write(self, text: str) -> None:
         """Print without breaking the progress bar."""

@@ -43,8 +43,8 @@ def generators(
 def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     """The pipeline at ``model.path`` (a local diffusers directory or a built-in one) wrapped
     in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32).
-    ``model.true_cfg_scale`` / ``model.max_sequence_length`` go to adapters that take them (a
-    clear error for one that does not)."""
+    ``model.true_cfg_scale`` / ``max_sequence_length`` / ``num_frames`` / ``guidance_scale_2``
+    go to adapters that take them (a clear error for one that does not)."""
     from flowgrpo.models.registry import adapter_options, build_adapter, load_pipeline
 
     m = cfg.model
@@ -58,6 +58,9 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
         pipe.to(dist.device)
     options = {"true_cfg_scale": m.true_cfg_scale, "max_sequence_length": m.max_sequence_length}
     options = {k: v for k, v in options.items() if v not in (None, 1.0)}
+    options.update(
+        {k: v for k in ("num_frames", "guidance_scale_2") if (v := getattr(m, k)) is not None}
+    )
     takes = adapter_options(type(pipe))
     for key in options:
         if key not in takes:
