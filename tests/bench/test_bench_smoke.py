@@ -89,3 +89,43 @@ def test_quick_benchmark_writes_every_field(tmp_path):
     assert toy["steps"] == 2 and toy["peak_rss_mb"] > 0
     figures = {row["figure"] for row in results["targets"]}
     assert figures == set(TARGETS)
+
+
+def test_algorithms_report_table_and_plot(tmp_path):
+    """write_report puts one row per algorithm (an unreached target says so) and the plot
+    between the markers of the doc, keeping the text around them."""
+    from bench.algorithms import ALGORITHMS, write_report
+
+    def result(reached: bool, scale: float) -> dict:
+        curve = [
+            {"step": s, "train_s": s * scale, "images": 160 * s, "accuracy": 0.6 + 0.01 * s,
+             "judge_accuracy": 0.6 + 0.01 * s, "diversity": 0.3 - 0.001 * s}
+            for s in range(0, 41, 10)
+        ]  # fmt: skip
+        there = curve[3] if reached else None
+        return {
+            "curve": curve,
+            "time_to_target_s": there and there["train_s"],
+            "images_to_target": there and there["images"],
+            "accuracy_at_target": there and there["accuracy"],
+            "judge_at_target": there and there["judge_accuracy"],
+            "diversity_at_target": there and there["diversity"],
+            "final_judge_accuracy": 0.9,
+            "final_accuracy": 0.91,
+            "final_diversity": 0.2,
+            "time_to_target_over_flow_grpo": (scale / 2.0) if reached else None,
+        }
+
+    results = {name: result(name != "grpo_guard", 2.0 - 0.5 * i) for i, name in
+               enumerate(ALGORITHMS)}  # fmt: skip
+    doc = tmp_path / "algorithms.md"
+    doc.write_text(
+        "before\n<!-- toy comparison: start -->\nold\n<!-- toy comparison: end -->\nafter\n"
+    )
+    write_report(results, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == list(ALGORITHMS)
+    assert "| 60 s | 1.00 | 4800 |" in rows[0] and "not reached" in rows[2]
+    assert (tmp_path / "algorithms_toy.png").stat().st_size > 1000
