@@ -79,6 +79,22 @@ def test_wandb_offline_runs(tmp_path):
     assert any(tmp_path.rglob("*.wandb"))
 
 
+def test_wandb_offline_logs_videos_as_gifs_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import tempfile
+
+    from PIL import Image
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    log = RunLogger(tmp_path / "run", wandb="offline", tensorboard=False, progress=False)
+    log.log_images("eval/images", torch.rand(2, 3, 4, 8, 8), 1)
+    log.close()
+    (gif,) = (tmp_path / "run").rglob("offline-run-*/files/media/videos/eval/*.gif")
+    with Image.open(gif) as im:
+        assert im.n_frames == 4
+    assert not any((tmp_path / "tmp").rglob("*.gif"))
+
+
 def test_per_sample_noise_depends_on_seed_step_index_only():
     assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2)
     seeds = {sample_seed(s, t, i) for s in range(3) for t in range(3) for i in range(50)}

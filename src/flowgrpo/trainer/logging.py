@@ -375,9 +375,10 @@ class RunLogger:
 
             import wandb as wandb_lib
 
-            with tempfile.NamedTemporaryFile(suffix=".gif", delete=False) as f:
-                f.write(gif)
-            self._wandb.log({tag: wandb_lib.Video(f.name, format="gif")}, step=step)
+            with tempfile.TemporaryDirectory() as tmp:  # wandb copies the file when logging
+                path = Path(tmp) / "video.gif"
+                path.write_bytes(gif)
+                self._wandb.log({tag: wandb_lib.Video(str(path), format="gif")}, step=step)
 
     def write(self, text: str) -> None:
         """Print without breaking the progress bar."""
