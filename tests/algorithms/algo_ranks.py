@@ -3,13 +3,16 @@ algorithm tests' worker; a spawned job runs every case in one process per rank).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent / "engine") not in sys.path:  # tinymodel: the engine tests' rank helpers
+    sys.path.insert(0, str(HERE.parent / "engine"))
+import tinymodel as tm  # noqa: E402
+
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
 SIZES = {"toy": (8, 8), "sd3": (16, 16), "flux": (16, 16), "qwen_image": (16, 16)}
@@ -98,20 +101,11 @@ def run(
         )
     seeds = [sample_seed(cfg.seed, 1, i) for i in mine]
     metrics = algo.update(traj, advantages[mine], step=1, sample_seeds=seeds)
-    return {"params": trainable(engine), "metrics": metrics, "steps": traj.step_indices.cpu()}
+    return {"params": tm.trainable(engine), "metrics": metrics, "steps": traj.step_indices.cpu()}
 
 
 def frames_option(kind: str) -> dict[str, int]:
     return {"num_frames": FRAMES[kind]} if kind in FRAMES else {}
-
-
-def trainable(engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in engine.model.named_parameters():
-        if p.requires_grad:
-            p = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = p.detach().clone()
-    return out
 
 
 def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]:
@@ -123,7 +117,7 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
     cfg = config(algorithm, kind, mode)
     adapter = build_adapter(pipeline(kind), **frames_option(kind))
     engine, _ = build_engine(cfg, adapter, init_distributed())
-    return trainable(engine)
+    return tm.trainable(engine)
 
 
 # Wan2.1 with Flow-GRPO only: Wan2.2 (wan22) runs the same transformer class as two experts
@@ -138,17 +132,7 @@ CASES = [
 
 
 def job(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
+    tm._setup(rank, world, port)
     from flowgrpo.engine import cleanup
 
     results = {}

@@ -4,7 +4,6 @@ numeric checks (issue 15)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -23,13 +22,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(dist1, tmp_path_factory):
     """All cases on 2 ranks (one spawn) while this process runs them on 1."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("algos") / "two_ranks.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(ar.job, args=(2, port, str(out)), nprocs=2, join=False)
+    ctx = ar.tm.spawn(ar.job, 2, str(out), join=False)
     try:
         single = {case: ar.run(*case) for case in ar.CASES}
     finally:

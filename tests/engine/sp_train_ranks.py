@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
+import tinymodel
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -60,10 +59,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
             dim=1,
         )
     metrics = algo.update(traj, ADVANTAGES, step=1, sample_seeds=[0, 1])
-    params = {}
-    for name, p in engine.model.named_parameters():
-        if p.requires_grad:
-            params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    params = tinymodel.trainable(engine)
     return {
         "final": ode.final_latents.cpu(),
         "log_probs": traj.log_probs.cpu(),
@@ -76,17 +72,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
 
 
 def job(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
+    tinymodel._setup(rank, world, port)
     from flowgrpo.engine import cleanup
 
     results = {(k, m): run(k, m, sp=world) for k in KINDS for m in MODES}

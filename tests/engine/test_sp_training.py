@@ -5,10 +5,9 @@ branches, KL, LoRA and full) equal one process without SP, for Qwen-Image, FLUX,
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import sp_train_ranks as st
+import tinymodel as tm
 import torch
 
 pytestmark = pytest.mark.slow
@@ -16,13 +15,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(dist1, tmp_path_factory):
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("sp_train") / "sp2.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(st.job, args=(2, port, str(out)), nprocs=2, join=False)
+    ctx = tm.spawn(st.job, 2, str(out), join=False)
     try:
         single = {(k, m): st.run(k, m, sp=1) for k in st.KINDS for m in st.MODES}
     finally:

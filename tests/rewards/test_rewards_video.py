@@ -10,10 +10,10 @@ import torch
 
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.rewards import MultiReward, RewardSpec
-from flowgrpo.rewards.base import validate_images
+from flowgrpo.rewards.base import lift_to_video, validate_images
 from flowgrpo.rewards.remote import RemoteReward, encode_images
 from flowgrpo.rewards.server import RewardHTTPServer
-from flowgrpo.rewards.video import frame_indices, lift_to_video, temporal_consistency
+from flowgrpo.rewards.video import frame_indices, temporal_consistency
 
 
 def _videos(b=2, f=9, seed=0):

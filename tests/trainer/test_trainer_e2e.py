@@ -158,14 +158,13 @@ def _cli(out: Path, *extra: str) -> list[str]:
     return [*base, f"run.output_dir={out}", *extra]
 
 
-def test_two_ranks_match_one_process(two_steps, tmp_path):
-    """2 gloo ranks (plain env vars, one CLI process each) reproduce the 1-process run: the
-    rollout noise is per global sample and the engine's update is rank-count invariant."""
-    single, _ = two_steps
-    out, port = tmp_path / "ddp", str(_free_port())
+def _two_ranks(out: Path, *extra: str, timeout: float = 300) -> list[str]:
+    """`flowgrpo train` as 2 gloo ranks (plain env vars, one CLI process each); both must
+    succeed. Returns their logs."""
+    port = str(_free_port())
     procs = [
         subprocess.Popen(
-            _cli(out, "trainer.max_steps=2"),
+            _cli(out, *extra),
             env=_env(
                 RANK=str(r),
                 WORLD_SIZE="2",
@@ -179,8 +178,17 @@ def test_two_ranks_match_one_process(two_steps, tmp_path):
         )
         for r in range(2)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    return logs
+
+
+def test_two_ranks_match_one_process(two_steps, tmp_path):
+    """2 gloo ranks (plain env vars, one CLI process each) reproduce the 1-process run: the
+    rollout noise is per global sample and the engine's update is rank-count invariant."""
+    single, _ = two_steps
+    out = tmp_path / "ddp"
+    logs = _two_ranks(out, "trainer.max_steps=2", timeout=240)
     rows, ref = read_jsonl(out / "metrics.jsonl"), read_jsonl(single / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and [r["samples"] for r in rows] == [8, 16]
     for r, s in zip(rows, ref):
@@ -334,29 +342,6 @@ def test_gpu_preset_features_on_the_toy(tmp_path):
     with pytest.warns(UserWarning, match="EMA is off"):
         live = run_eval(small_cfg(out, *feats, "ema.enabled=false", command="eval"), out)
     assert live["eval/reward_mean"] != summary["final"]["eval/reward_mean"]
-
-
-def _two_ranks(out: Path, *extra: str) -> list[str]:
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            _cli(out, *extra),
-            env=_env(
-                RANK=str(r),
-                WORLD_SIZE="2",
-                LOCAL_RANK=str(r),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    return logs
 
 
 def test_sequence_parallel_run_matches_one_process_and_resumes_across_sp(two_steps, tmp_path):

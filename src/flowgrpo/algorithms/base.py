@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -53,6 +53,10 @@ class RolloutPlan:
     ode_solver: str = "euler"
     record_means: bool = False
     train: bool = True
+
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """The plan as keyword arguments of ``sample_trajectories`` (every field but train)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}
 
 
 class Algorithm(ABC):

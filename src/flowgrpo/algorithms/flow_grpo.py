@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
+from flowgrpo.algo.sde import SDEStepOutput
 from flowgrpo.algorithms.base import Algorithm
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
 from flowgrpo.settings import ge, gt, one_of, setting
@@ -111,15 +112,26 @@ class FlowGRPO(Algorithm):
         out["samples_dropped"] = float(batch * self.engine.dp_size - total)
         return out
 
+    def policy_and_reference(
+        self, sub: Trajectory, k: int
+    ) -> tuple[SDEStepOutput, torch.Tensor | None]:
+        """Step k of the micro-batch ``sub`` recomputed under the trained weights (with grad;
+        guidance per ``cfg_grad``), and the reference policy's step mean when there is a KL
+        term (else None)."""
+        ref_mean = None
+        if self.settings.kl_beta > 0:
+            with torch.no_grad(), self.engine.reference_transformer() as ref:
+                ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
+        out = trajectory_log_prob(
+            self.adapter, self.engine.model, sub, k, cfg_grad=self.settings.cfg_grad
+        )
+        return out, ref_mean
+
     def step_loss(self, sub: Trajectory, adv: torch.Tensor, k: int) -> list[torch.Tensor]:
         """[loss, policy_loss, kl, approx_kl, approx_kl_k2, clipfrac, ratio_mean] of trained
         step k for the micro-batch ``sub`` (means over it)."""
         s = self.settings
-        ref_mean = None
-        if s.kl_beta > 0:
-            with torch.no_grad(), self.engine.reference_transformer() as ref:
-                ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
-        out = trajectory_log_prob(self.adapter, self.engine.model, sub, k, cfg_grad=s.cfg_grad)
+        out, ref_mean = self.policy_and_reference(sub, k)
         policy_loss, m = flow_grpo_loss(
             out.log_prob,
             sub.log_probs[:, k],

@@ -17,7 +17,7 @@ import torch
 from flowgrpo.algo.grpo_guard import grpo_guard_loss
 from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-from flowgrpo.rollout import Trajectory, trajectory_log_prob
+from flowgrpo.rollout import Trajectory
 from flowgrpo.settings import gt, one_of, setting
 
 KEYS = (
@@ -77,11 +77,7 @@ class GRPOGuard(FlowGRPO):
         """[loss, policy_loss, kl, approx_kl, approx_kl_k2, clipfrac, ratio_mean,
         log_ratio_mean] of trained step k (means over the micro-batch)."""
         s = self.settings
-        ref_mean = None
-        if s.kl_beta > 0:
-            with torch.no_grad(), self.engine.reference_transformer() as ref:
-                ref_mean = trajectory_log_prob(self.adapter, ref, sub, k).prev_sample_mean
-        out = trajectory_log_prob(self.adapter, self.engine.model, sub, k, cfg_grad=s.cfg_grad)
+        out, ref_mean = self.policy_and_reference(sub, k)
         loss, m = grpo_guard_loss(
             out.log_prob,
             sub.log_probs[:, k],

@@ -8,6 +8,7 @@ one. It knows nothing of Flow-GRPO.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -131,6 +132,13 @@ class DiffusionAdapter(ABC):
     @abstractmethod
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """The pipeline's sigma schedule for this many steps at this image size."""
+
+    def scheduler_schedule(self, num_steps: int) -> Schedule:
+        """``set_timesteps(N)`` on a copy of the pipeline's scheduler, as a pipeline that passes
+        neither sigmas nor mu does (Wan, the toy); the pipeline's own scheduler is untouched."""
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return Schedule(scheduler.sigmas.float().cpu(), scheduler.timesteps.float().cpu())
 
     @abstractmethod
     def prepare_latents(

@@ -29,7 +29,6 @@ Image-to-video (``WanImageToVideoPipeline``) is not supported.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Any
@@ -192,9 +191,7 @@ class WanAdapter(DiffusionAdapter):
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return Schedule(scheduler.sigmas.float().cpu(), scheduler.timesteps.float().cpu())
+        return self.scheduler_schedule(num_steps)
 
     def prepare_latents(
         self,

@@ -3,7 +3,7 @@
 A reward is a callable ``(images [B, C, H, W] float in [0, 1] on CPU, prompts list[str],
 metadata list[dict]) -> B floats`` (list, array or tensor) or ``dict key -> B floats``
 (docs/rewards.md). Videos are [B, C, F, H, W]: an image reward scores their frames
-(``flowgrpo.rewards.video``), a reward with ``accepts_video = True`` the whole video. Built-ins are registered lazily by name so that importing this
+(``lift_to_video``), a reward with ``accepts_video = True`` the whole video. Built-ins are registered lazily by name so that importing this
 module never imports transformers or onnxruntime.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from flowgrpo.rewards.spec import RewardSpec, check_labels, parse_reward_specs
+from flowgrpo.rewards.spec import RewardSpec, check_frames, check_labels, parse_reward_specs
+from flowgrpo.rewards.video import frame_indices
 
 RewardOutput = Sequence[float] | torch.Tensor | Mapping[str, Sequence[float] | torch.Tensor]
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], RewardOutput]
@@ -180,6 +181,44 @@ def to_score_tensor(values: Any, batch_size: int, name: str) -> torch.Tensor:
     return t
 
 
+def takes_video(fn: Any) -> bool:
+    """Whether ``fn`` scores whole videos itself (``accepts_video = True``)."""
+    return bool(getattr(fn, "accepts_video", False))
+
+
+def lift_to_video(fn: Any, frames: str | int = "all", name: str = "reward") -> Any:
+    """``fn`` unchanged when it takes videos; otherwise a reward that passes images through and
+    scores a video [B, C, F, H, W] as the mean of ``fn`` over its chosen frames (each frame
+    gets its video's prompt and a copy of its metadata). A dict reward's entries are averaged
+    entry by entry."""
+    if takes_video(fn):
+        return fn
+    frames = check_frames(frames, f"reward {name!r} option frames")
+
+    def per_frame(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> Any:
+        if images.dim() != 5:
+            return fn(images, prompts, metadata)
+        b, c, f, h, w = images.shape
+        idx = frame_indices(f, frames)
+        n = len(idx)
+        flat = images[:, :, idx].transpose(1, 2).reshape(b * n, c, h, w)
+        raw = fn(
+            flat,
+            [p for p in prompts for _ in range(n)],
+            [copy.deepcopy(m) for m in metadata for _ in range(n)],
+        )
+
+        def mean(values: Any, label: str) -> torch.Tensor:
+            return to_score_tensor(values, b * n, label).view(b, n).mean(dim=1)
+
+        if isinstance(raw, Mapping):
+            return {k: mean(v, f"{name}/{k}") for k, v in raw.items()}
+        return mean(raw, name)
+
+    per_frame.__name__ = getattr(fn, "__name__", name)
+    return per_frame
+
+
 def _tag(exc: BaseException, name: str) -> BaseException:
     exc.reward_name = name  # type: ignore[attr-defined]
     return exc
@@ -201,8 +240,6 @@ class MultiReward:
         check_labels(self.specs)
         for spec in self.specs:
             spec.check()
-        from flowgrpo.rewards.video import lift_to_video
-
         self.fns: dict[str, RewardFn] = {
             s.label: lift_to_video(build_reward(s.name, **s.options), s.frames, s.label)
             for s in self.specs
@@ -216,8 +253,6 @@ class MultiReward:
         """Wrap already-built callables ``{name: fn}`` (weights default to 1)."""
         m = cls.__new__(cls)
         m.specs = [RewardSpec(k, float((weights or {}).get(k, 1.0)), alias=k) for k in fns]
-        from flowgrpo.rewards.video import lift_to_video
-
         m.fns = {k: lift_to_video(fn, "all", k) for k, fn in fns.items()}
         m._keys = {}
         return m

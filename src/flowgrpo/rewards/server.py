@@ -32,9 +32,14 @@ import torch
 from PIL import Image
 
 from flowgrpo.rewards._image import from_pil
-from flowgrpo.rewards.base import RewardFn, build_reward, to_score_tensor, validate_images
+from flowgrpo.rewards.base import (
+    RewardFn,
+    build_reward,
+    lift_to_video,
+    to_score_tensor,
+    validate_images,
+)
 from flowgrpo.rewards.remote import TOKEN_ENV, unflatten_videos
-from flowgrpo.rewards.video import lift_to_video
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_MB = 256.0

@@ -13,7 +13,6 @@ the toy package imports it). The base model pretrained by
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from importlib import resources
@@ -286,9 +285,7 @@ class ToyAdapter(DiffusionAdapter):
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return Schedule(scheduler.sigmas.float(), scheduler.timesteps.float())
+        return self.scheduler_schedule(num_steps)
 
     def prepare_latents(
         self,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from flowgrpo.algo import reward_stats, zero_std_ratio
+from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.engine import dist as D
 from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
@@ -74,7 +75,7 @@ def rollout(
     finishes (async reward scoring)."""
     s, m, parts = run.cfg.sample, run.cfg.model, []
     if eval:
-        plan = dict(
+        plan = RolloutPlan(
             num_steps=s.eval_num_steps,
             guidance_scale=(
                 s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
@@ -86,19 +87,7 @@ def rollout(
             deterministic_last_step=s.deterministic_last_step,
         )
     else:
-        p = run.algorithm.rollout_plan(step)
-        plan = dict(
-            num_steps=p.num_steps,
-            guidance_scale=p.guidance_scale,
-            noise_level=p.noise_level,
-            sde_type=p.sde_type,
-            sde_window=p.sde_window,
-            timestep_fraction=p.timestep_fraction,
-            deterministic_last_step=p.deterministic_last_step,
-            sigmas=p.sigmas,
-            ode_solver=p.ode_solver,
-            record_means=p.record_means,
-        )
+        plan = run.algorithm.rollout_plan(step)
     chunk = max(1, s.rollout_batch_size)
     for lo in range(0, len(prompts), chunk):
         rows = slice(lo, lo + chunk)
@@ -110,7 +99,7 @@ def rollout(
             width=m.width,
             generator=gens,
             negative_prompts=[s.negative_prompt] * len(gens) if s.negative_prompt else None,
-            **plan,
+            **plan.sampler_kwargs(),
         )
         if not bool(torch.isfinite(traj.final_latents).all()):
             what = "eval rollout" if eval else f"rollout of step {step}"
