@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,8 +29,14 @@ from flowgrpo.trainer.logging import (
     RunLogger,
     save_grid,
     save_images,
+    startup_banner,
     write_final_report,
 )
+from flowgrpo.trainer.quiet import quiet_known_noise
+
+# train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
+# no advantage signal, so such a step logs them as absent
+RATIO_METRICS = ("train/clipfrac", "train/ratio_mean", "train/log_ratio_mean")
 
 
 class Run:
@@ -38,6 +44,7 @@ class Run:
 
     def __init__(self, cfg: Any, dist: D.DistInfo) -> None:
         self.cfg, self.dist = cfg, dist
+        quiet_known_noise(dist.is_main)  # loading bars from rank 0, known-harmless warnings
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         self.adapter = S.build_adapter_for(cfg, dist)
@@ -132,7 +139,9 @@ def score(
         if not run.cfg.advantage.async_reward:
             traj = rollout(run, prompts, indices, step)
             t = time.perf_counter()
-            with reward_failures(run.reward, traj.images, prompts, metadata, locations, step):
+            with reward_failures(
+                run.reward, traj.images, prompts, metadata, locations, f"step {step}"
+            ):
                 rewards = run.reward(traj.images, prompts, metadata)
             return traj, rewards, time.perf_counter() - t
         futures = []
@@ -147,17 +156,20 @@ def score(
                 ),
             )
             t = time.perf_counter()
-            with reward_failures(run.reward, traj.images, prompts, metadata, locations, step):
+            with reward_failures(
+                run.reward, traj.images, prompts, metadata, locations, f"step {step}"
+            ):
                 parts = [f.result() for f in futures]
     rewards = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return traj, rewards, time.perf_counter() - t
 
 
 @contextlib.contextmanager
-def reward_failures(reward, images, prompts, metadata, locations, step: int):
-    """Turn a reward's failure into one RunError line. When the reward fails on some samples
-    but not on others, the culprit is the data: scoring samples one at a time (at most 16)
-    finds the first that fails, and its prompt-file line is named."""
+def reward_failures(reward, images, prompts, metadata, locations, when: str):
+    """Turn a reward's failure into one RunError line ending with ``(when)``: "step 3",
+    "base eval", "eval at step 4". When the reward fails on some samples but not on others,
+    the culprit is the data: scoring samples one at a time (at most 16) finds the first that
+    fails, and its prompt-file line is named."""
     try:
         yield
     except RuntimeError as e:
@@ -175,7 +187,7 @@ def reward_failures(reward, images, prompts, metadata, locations, step: int):
                 break
         where = f" on {locations[failed]}" if passed and failed is not None else ""
         message = " ".join(str(e).split())
-        raise RunError(f"{message}{where} (step {step})") from e
+        raise RunError(f"{message}{where} ({when})") from e
 
 
 def gather_rewards(run: Run, rewards: dict[str, torch.Tensor] | None):
@@ -199,6 +211,8 @@ def gather_group_firsts(run: Run, obj: Any) -> list[Any]:
 def train_one_step(run: Run, step: int) -> dict[str, Any]:
     """Step ``step`` (1-based): rollout, rewards, advantages, update. Returns its metrics."""
     cfg, dist = run.cfg, run.dist
+    if dist.device.type == "cuda":  # this step's peak, not the run's
+        torch.cuda.reset_peak_memory_stats(dist.device)
     t0 = time.perf_counter()
     indices, groups = run.sampler.global_step_samples(step - 1)  # all ranks, groups of K
     start, count = S.shard(len(indices), run.engine.dp_rank, run.engine.dp_size)
@@ -218,6 +232,10 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         seeds = [S.sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
     t3 = time.perf_counter()
+    if not bool(combined.advantages.any()):  # every group's rewards were equal
+        train_metrics = {
+            k: v for k, v in train_metrics.items() if f"train/{k}" not in RATIO_METRICS
+        }
     return {
         "reward_mean": float(combined.reward.mean()),
         "reward_std": float(combined.reward.std(unbiased=False)),
@@ -230,15 +248,45 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         "time/train_s": t3 - t2,
         "time/step_s": t3 - t0,
         "images_per_s": len(indices) / max(t3 - t0, 1e-9),
+        "images_per_s_per_gpu": len(indices) / max(t3 - t0, 1e-9) / dist.world_size,
+        **peak_memory(dist.device),
     }
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """``memory/peak_gib``: the device memory this rank's tensors peaked at since the last
+    reset (CUDA only: ``torch.cuda.max_memory_allocated``; the step resets it), and
+    ``memory/host_peak_gib``: this process's peak resident memory on the host (Linux/macOS)."""
+    out = {}
+    if device.type == "cuda":
+        out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+        import sys
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
+        out["memory/host_peak_gib"] = kib / (2**30 if sys.platform == "darwin" else 2**20)
+    except ImportError:  # Windows
+        pass
+    return out
 
 
 # -- eval ------------------------------------------------------------------------------------
 
 
-def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
+class EvalGrid(NamedTuple):
+    """The eval images of the grids (``run.grid_index``, in order): images [n, C, H, W] (videos
+    [n, C, F, H, W]) on rank 0 (empty elsewhere), each one's prompt and total reward."""
+
+    images: torch.Tensor
+    prompts: list[str]
+    rewards: list[float]
+
+
+def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
     """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
-    images of ``run.grid_index`` [n, C, H, W] on rank 0, empty elsewhere)."""
+    grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
+    eval", "eval at step 4")."""
     ev = run.eval_set
     idx, real = S.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
@@ -247,7 +295,7 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
     where = [ev.locations[i] for i in idx[:real]]
     local = None
     if run.engine.sp_rank == 0:  # an SP group scores once
-        with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, -1):
+        with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, when):
             local = run.reward(images, prompts[:real], metadata[:real])
     rewards = gather_rewards(run, local)
     total = sum((run.reward.weight_of(k) or 0.0) * v for k, v in rewards.items())
@@ -257,13 +305,14 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
     shown = gather_group_firsts(run, (images[keep] * 255).round().to(torch.uint8))
     if run.eval_reward is not None:  # set-level scores (e.g. diversity): every image at once
         every = torch.cat(gather_group_firsts(run, images))
-        with reward_failures(run.eval_reward, every, ev.prompts, ev.metadata, ev.locations, -1):
+        with reward_failures(run.eval_reward, every, ev.prompts, ev.metadata, ev.locations, when):
             scores = run.eval_reward(every, ev.prompts, ev.metadata)
         out.update(
             {f"eval/{name.rpartition('/')[2]}": float(v.mean()) for name, v in scores.items()}
         )
     grid = torch.cat(shown).float() / 255 if run.dist.is_main else torch.empty(0)
-    return out, grid
+    order = sorted(run.grid_index)  # the grid's images, in the global order of `shown`
+    return out, EvalGrid(grid, [ev.prompts[g] for g in order], [float(total[g]) for g in order])
 
 
 # -- the loop ----------------------------------------------------------------------------------
@@ -306,28 +355,51 @@ def run_training(cfg: Any) -> dict[str, Any]:
         progress=cfg.run.progress_bar,
         log_every=tr.log_every,
     )
-    if resume_from is not None:
-        logger.write(f"resumed from {resume_from} at step {state['step']}")
+    logger.write(
+        startup_banner(
+            cfg,
+            world_size=dist.world_size,
+            device=dist.device.type,
+            trainable=sum(p.numel() for p in run.engine.params),
+            total=sum(p.numel() for p in run.engine.transformer.parameters()),
+            output_dir=out,
+            resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
+        )
+    )
     if state["base_eval"] is None:  # step 0: the base model
-        state["base_eval"], grid = evaluate(run)
-        logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})
+        t = time.perf_counter()
+        state["base_eval"], grid = evaluate(run, "base eval")
+        logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})  # deterministic
+        logger.write(f"base eval: {time.perf_counter() - t:.1f} s")
         if dist.is_main:
-            save_grid(grid, out / "grid_before.png", nrow=run.grid_cols)
-            logger.log_images("eval/images", grid, 0, nrow=run.grid_cols)
-    final_eval, grid = None, None
+            save_grid(grid.images, out / "grid_before.png", run.grid_cols, *_captions(grid))
+            logger.log_images("eval/images", grid.images, 0, run.grid_cols, *grid[1:])
+    final_eval, grid, checkpoint_s = None, None, None
     while state["step"] < tr.max_steps:
         step = state["step"] + 1
         metrics = train_one_step(run, step)
         state.update(step=step, samples=state["samples"] + global_batch)
         state["sampler"] = run.sampler.state_dict()
         row = {"step": step, "samples": state["samples"], **metrics}
+        if checkpoint_s is not None:  # the checkpoint written after the previous step
+            row["time/checkpoint_s"], checkpoint_s = checkpoint_s, None
+        if metrics["advantage_abs_mean"] == 0:
+            logger.warn(
+                f"step {step}: every group's rewards were equal, so every advantage is 0 and "
+                "the policy gradient is 0 (ratio/clip metrics are not logged for this step); "
+                "if this repeats, the reward cannot tell this group's samples apart: see "
+                "zero_std_ratio in metrics.jsonl"
+            )
         if _due(step, tr.eval_every, tr.max_steps):
-            final_eval, grid = evaluate(run)
+            t = time.perf_counter()
+            final_eval, grid = evaluate(run, f"eval at step {step}")
             row.update(final_eval)
+            row["time/eval_s"] = time.perf_counter() - t
             logger.log_eval({"step": step, "samples": state["samples"], **final_eval})
-            logger.log_images("eval/images", grid, step, nrow=run.grid_cols)
+            logger.log_images("eval/images", grid.images, step, run.grid_cols, *grid[1:])
         logger.log_step(row)
         if _due(step, tr.save_every, tr.max_steps):
+            t = time.perf_counter()
             save_checkpoint(
                 run.engine,
                 ckpt_root,
@@ -336,8 +408,9 @@ def run_training(cfg: Any) -> dict[str, Any]:
                 keep_last=tr.keep_last,
                 run_id=state["run_id"],
             )
+            checkpoint_s = time.perf_counter() - t
     if final_eval is None:  # resumed at the end already: evaluate the final weights again
-        final_eval, grid = evaluate(run)
+        final_eval, grid = evaluate(run, f"eval at step {state['step']}")
     summary: dict[str, Any] = {
         "base": state["base_eval"],
         "final": final_eval,
@@ -349,9 +422,16 @@ def run_training(cfg: Any) -> dict[str, Any]:
     }
     if dist.is_main:  # grid_after.png, reward_curve.png and the base-vs-final table
         summary.update(write_final_report(out, grid, run.grid_cols, summary, logger))
+        if checkpoint_s is not None:
+            logger.write(f"the last checkpoint took {checkpoint_s:.1f} s to write")
     logger.close()
     D.barrier()
     return summary
+
+
+def _captions(grid: EvalGrid) -> tuple[list[str], list[str]]:
+    """(captions, notes) of a saved grid: each row's prompt, each image's reward."""
+    return grid.prompts, [f"{r:.3f}" for r in grid.rewards]
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -376,13 +456,16 @@ def run_sample(
     cfg: Any, checkpoint: str | Path | None, prompts: list[str], out_dir: str | Path
 ) -> list[Path]:
     """ODE samples (eval steps/guidance) of ``prompts`` from the base model or a checkpoint,
-    one PNG each in ``out_dir``; sample i's noise comes from (seed, i)."""
+    one PNG each in ``out_dir`` (GIF for videos) and ``prompts.jsonl`` saying which prompt
+    made which file; sample i's noise comes from (seed, i)."""
     if not prompts:
         raise ValueError("run_sample needs at least one prompt")
     run = _restored(cfg, checkpoint)
     with run.ema():
         images = rollout(run, list(prompts), list(range(len(prompts))), S.SAMPLE_SALT, eval=True)
-    return save_images(images.images, out_dir) if run.dist.is_main else []
+    if not run.dist.is_main:
+        return []
+    return save_images(images.images, out_dir, prompts=list(prompts))
 
 
 def run_eval(cfg: Any, checkpoint: str | Path | None) -> dict[str, float]:

@@ -14,7 +14,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,11 @@ import torch
 
 TIME_PREFIX = "time/"
 VIDEO_FPS = 8  # of the GIFs (flow_grpo writes its Wan videos at 8 fps too)
-NON_DETERMINISTIC_KEYS = ("images_per_s",)  # with every "time/..." key: wall-clock figures
+NON_DETERMINISTIC_KEYS = ("images_per_s", "images_per_s_per_gpu")  # and "time/", "memory/"
+MEMORY_PREFIX = "memory/"  # peak memory figures (GiB): they vary with the allocator
+PROMPT_INDEX = "prompts.jsonl"  # beside `flowgrpo sample` outputs: which prompt made which file
+# the progress bar: tqdm's default with the remaining time labelled as the ETA
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, ETA {remaining}, {rate_fmt}{postfix}]"
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -54,11 +59,12 @@ def truncate_jsonl(path: str | Path, max_step: int) -> None:
 
 
 def deterministic_view(row: Mapping[str, Any]) -> dict[str, Any]:
-    """``row`` without wall-clock keys: what must match between a straight and a resumed run."""
+    """``row`` without wall-clock and memory keys: what must match between a straight and a
+    resumed run."""
     return {
         k: v
         for k, v in row.items()
-        if not k.startswith(TIME_PREFIX) and k not in NON_DETERMINISTIC_KEYS
+        if not k.startswith((TIME_PREFIX, MEMORY_PREFIX)) and k not in NON_DETERMINISTIC_KEYS
     }
 
 
@@ -75,12 +81,21 @@ def _jsonable(v: Any) -> Any:
 # -- image grids -----------------------------------------------------------------------------
 
 
-def make_grid(images: torch.Tensor, nrow: int | None = None, min_cell: int = 64) -> np.ndarray:
+def make_grid(
+    images: torch.Tensor,
+    nrow: int | None = None,
+    min_cell: int = 64,
+    captions: Sequence[str] | None = None,
+    notes: Sequence[str] | None = None,
+) -> np.ndarray:
     """images [N, C, H, W] in [0, 1] -> uint8 [rows*S, cols*S, 3] with square cells.
 
     Each image is padded to a square, then upscaled by an integer factor with nearest
     neighbour so that an 8x8 toy digit becomes crisp 64x64 pixels (S >= ``min_cell``). A 2-px
-    grey border separates the cells.
+    grey border separates the cells. ``captions`` (one per image, e.g. its prompt) are written
+    in a band above each row: once across the row when the row's images share it (a prompt's
+    seeds), else above each cell; ``notes`` (one per image, e.g. its reward) in a band below
+    each cell. Text too wide for its space is shortened with "...".
     """
     if images.dim() != 4:
         raise ValueError(f"make_grid needs images [N, C, H, W], got {tuple(images.shape)}")
@@ -88,6 +103,9 @@ def make_grid(images: torch.Tensor, nrow: int | None = None, min_cell: int = 64)
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
     n, _, h, w = x.shape
+    for name, texts in (("captions", captions), ("notes", notes)):
+        if texts is not None and len(texts) != n:
+            raise ValueError(f"make_grid: {len(texts)} {name} for {n} images")
     side = max(h, w)
     if h != w:  # centre on a square canvas
         canvas = torch.zeros(n, 3, side, side)
@@ -101,19 +119,78 @@ def make_grid(images: torch.Tensor, nrow: int | None = None, min_cell: int = 64)
     cols = nrow or max(1, math.ceil(math.sqrt(n)))
     rows = max(1, math.ceil(n / cols))
     pad = 2
-    grid = torch.full((3, rows * (cell + pad) + pad, cols * (cell + pad) + pad), 0.5)
+    font = _font() if captions is not None or notes is not None else None
+    cap_h = _text_height(font) if captions is not None else 0
+    note_h = _text_height(font) if notes is not None else 0
+    row_h = cap_h + cell + note_h + pad
+    grid = torch.full((3, rows * row_h + pad, cols * (cell + pad) + pad), 0.5)
     for i in range(n):
         r, c = divmod(i, cols)
-        top, left = pad + r * (cell + pad), pad + c * (cell + pad)
+        top, left = pad + r * row_h + cap_h, pad + c * (cell + pad)
         grid[:, top : top + cell, left : left + cell] = x[i]
-    return (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    out = (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    if font is None:
+        return out
+    from PIL import Image, ImageDraw
+
+    pil = Image.fromarray(out)
+    draw = ImageDraw.Draw(pil)
+    for r in range(rows):
+        members = list(range(r * cols, min(n, (r + 1) * cols)))
+        top = pad + r * row_h
+        if captions is not None:
+            if len({captions[i] for i in members}) == 1:  # one prompt across the row
+                spans = [(members[0], len(members))]
+            else:
+                spans = [(i, 1) for i in members]
+            for i, k in spans:
+                left = pad + (i % cols) * (cell + pad)
+                _draw_text(draw, (left, top), k * (cell + pad) - pad, captions[i], font)
+        if notes is not None:
+            for i in members:
+                left = pad + (i % cols) * (cell + pad)
+                _draw_text(draw, (left, top + cap_h + cell), cell, notes[i], font)
+    return np.asarray(pil)
 
 
-def video_grid(videos: torch.Tensor, nrow: int | None = None) -> list[np.ndarray]:
-    """videos [N, C, F, H, W] in [0, 1] -> F grid frames (``make_grid`` of each frame)."""
+def _font() -> Any:
+    from PIL import ImageFont
+
+    return ImageFont.load_default()
+
+
+def _text_height(font: Any) -> int:
+    """Height of a one-line text band in ``font`` (a 2-px margin above and below)."""
+    top, bottom = font.getbbox("Ag")[1::2]
+    return int(bottom) + max(0, int(top)) + 4
+
+
+def _draw_text(draw: Any, at: tuple[int, int], width: int, text: str, font: Any) -> None:
+    """``text`` in white at ``at`` (+2 px margins), shortened with "..." to fit ``width``."""
+    room = width - 4
+    text = " ".join(str(text).split())
+    if draw.textlength(text, font=font) > room:
+        while text and draw.textlength(text + "...", font=font) > room:
+            text = text[:-1]
+        text = text + "..." if text else ""
+    if text:
+        draw.text((at[0] + 2, at[1] + 2), text, fill=(255, 255, 255), font=font)
+
+
+def video_grid(
+    videos: torch.Tensor,
+    nrow: int | None = None,
+    captions: Sequence[str] | None = None,
+    notes: Sequence[str] | None = None,
+) -> list[np.ndarray]:
+    """videos [N, C, F, H, W] in [0, 1] -> F grid frames (``make_grid`` of each frame, with
+    its ``captions`` / ``notes``)."""
     if videos.dim() != 5:
         raise ValueError(f"video_grid needs videos [N, C, F, H, W], got {tuple(videos.shape)}")
-    return [make_grid(videos[:, :, f], nrow) for f in range(videos.shape[2])]
+    return [
+        make_grid(videos[:, :, f], nrow, captions=captions, notes=notes)
+        for f in range(videos.shape[2])
+    ]
 
 
 def gif_bytes(frames: list[np.ndarray], fps: int = VIDEO_FPS) -> bytes:
@@ -139,27 +216,42 @@ def grid_path(path: str | Path, images: torch.Tensor) -> Path:
     return path.with_suffix(".gif") if images.dim() == 5 else path
 
 
-def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
-    """Write ``make_grid(images, nrow)`` as a PNG, or videos [N, C, F, H, W] as an animated
-    GIF beside it (``grid_path``); returns the path written."""
+def save_grid(
+    images: torch.Tensor,
+    path: str | Path,
+    nrow: int | None = None,
+    captions: Sequence[str] | None = None,
+    notes: Sequence[str] | None = None,
+) -> Path:
+    """Write ``make_grid(images, nrow, captions=..., notes=...)`` as a PNG, or videos
+    [N, C, F, H, W] as an animated GIF beside it (``grid_path``); returns the path written."""
     from PIL import Image
 
     path = grid_path(path, images)
     path.parent.mkdir(parents=True, exist_ok=True)
     if images.dim() == 5:
-        path.write_bytes(gif_bytes(video_grid(images, nrow)))
+        path.write_bytes(gif_bytes(video_grid(images, nrow, captions, notes)))
     else:
-        Image.fromarray(make_grid(images, nrow)).save(path)
+        Image.fromarray(make_grid(images, nrow, captions=captions, notes=notes)).save(path)
     return path
 
 
-def save_images(images: torch.Tensor, out_dir: str | Path, stem: str = "sample") -> list[Path]:
+def save_images(
+    images: torch.Tensor,
+    out_dir: str | Path,
+    stem: str = "sample",
+    prompts: Sequence[str] | None = None,
+) -> list[Path]:
     """One PNG per image [N, C, H, W] in [0, 1], or one animated GIF per video
-    [N, C, F, H, W] (tiny ones upscaled like the grids)."""
+    [N, C, F, H, W] (tiny ones upscaled like the grids). With ``prompts`` (one per image),
+    ``prompts.jsonl`` beside them says which prompt made which file: one
+    ``{"file", "index", "prompt"}`` object per image, in order."""
     from PIL import Image
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if prompts is not None and len(prompts) != len(images):
+        raise ValueError(f"save_images: {len(prompts)} prompts for {len(images)} images")
     paths = []
     for i, img in enumerate(images):
         if img.dim() == 4:  # a video [C, F, H, W]
@@ -170,6 +262,12 @@ def save_images(images: torch.Tensor, out_dir: str | Path, stem: str = "sample")
             arr = make_grid(img[None], nrow=1)[2:-2, 2:-2]  # strip the border
             Image.fromarray(arr).save(p)
         paths.append(p)
+    if prompts is not None:
+        rows = [
+            {"file": p.name, "index": i, "prompt": str(t)}
+            for i, (p, t) in enumerate(zip(paths, prompts))
+        ]
+        (out_dir / PROMPT_INDEX).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
 
 
@@ -209,13 +307,19 @@ def plot_reward_curve(
 
 
 def write_final_report(
-    out: Path, grid: torch.Tensor, nrow: int, summary: Mapping[str, Any], logger: RunLogger
+    out: Path, grid: Any, nrow: int, summary: Mapping[str, Any], logger: RunLogger
 ) -> dict[str, str]:
-    """End of a run (rank 0): ``grid_after.png`` (.gif for videos), ``reward_curve.png`` and the printed
-    base-vs-final table. Returns the figure paths."""
+    """End of a run (rank 0): ``grid_after.png`` (.gif for videos), ``reward_curve.png`` and the
+    printed base-vs-final table. ``grid``: images [N, C, H, W] (videos [N, C, F, H, W]), or
+    (images, prompts, rewards) to caption each row with its prompt and each image with its
+    reward. Returns the figure paths."""
+    images, captions, notes = grid, None, None
+    if isinstance(grid, tuple):
+        images, captions, rewards = grid
+        notes = [f"{float(r):.3f}" for r in rewards]
     paths = {
-        "grid_before": str(grid_path(out / "grid_before.png", grid)),
-        "grid_after": str(save_grid(grid, out / "grid_after.png", nrow)),
+        "grid_before": str(grid_path(out / "grid_before.png", images)),
+        "grid_after": str(save_grid(images, out / "grid_after.png", nrow, captions, notes)),
         "reward_curve": str(
             plot_reward_curve(
                 read_jsonl(out / "metrics.jsonl"),
@@ -242,12 +346,79 @@ def summary_table(base: Mapping[str, float], final: Mapping[str, float]) -> str:
     return "\n".join(lines)
 
 
+def step_line(row: Mapping[str, Any], total: int, eta_s: float | None) -> str:
+    """One printed line for a training step (the log without a progress bar):
+    ``step 4/40  reward 0.612  loss 0.0031  eval 0.700  1.23 s/step  9.8 img/s/GPU  ETA 0:00:43``.
+    """
+    parts = [f"step {int(row['step'])}/{total}"]
+    for key, label, fmt in (
+        ("reward_mean", "reward", ".3f"),
+        ("train/loss", "loss", ".4g"),
+        ("eval/reward_mean", "eval", ".3f"),
+        ("eval/accuracy", "acc", ".3f"),
+        ("time/step_s", "", ".2f"),
+        ("images_per_s_per_gpu", "", ".3g"),
+    ):
+        v = row.get(key)
+        if isinstance(v, (int, float)):
+            unit = {"time/step_s": " s/step", "images_per_s_per_gpu": " img/s/GPU"}.get(key, "")
+            parts.append(f"{label} {v:{fmt}}".strip() + unit)
+    if eta_s is not None:
+        parts.append(f"ETA {_clock(eta_s)}")
+    return "  ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def startup_banner(
+    cfg: Any,
+    *,
+    world_size: int,
+    device: str,
+    trainable: int,
+    total: int,
+    output_dir: str | Path,
+    resumed_from: str | Path | None = None,
+) -> str:
+    """What a run is about to do, printed once by rank 0 before the base eval: the algorithm,
+    the ranks and how they split (replicas x FSDP shards x sequence-parallel groups), the
+    trainable parameters, the images of a step and the output folder."""
+    fs, s = cfg.fsdp, cfg.sample
+    rep, sp = int(fs.replicate_degree), int(fs.sp_degree)
+    dp = max(1, world_size // sp)
+    shard = max(1, world_size // (rep * sp))
+    images = s.prompts_per_step * s.group_size
+    if cfg.lora.enabled:
+        how = f"LoRA r {cfg.lora.rank}, alpha {cfg.lora.alpha:g}"
+    else:
+        how = "full fine-tune"
+    layout = f"{world_size} rank(s) on {device}: {rep} replica(s) x {shard} FSDP shard(s)"
+    layout += f" x sequence-parallel {sp}" + (" (HSDP)" if rep > 1 else "")
+    lines = [
+        f"flowgrpo train: {cfg.algorithm} on {cfg.model.path} (preset {cfg.preset})",
+        f"  ranks      {layout}; {dp} data-parallel rank(s)",
+        f"  trainable  {trainable:,} of {total:,} parameters ({how})",
+        f"  each step  {s.prompts_per_step} prompts x {s.group_size} samples = {images} images"
+        f" ({images // dp} per data-parallel rank), {cfg.model.width}x{cfg.model.height} px",
+        f"  steps      {cfg.trainer.max_steps} (eval every {cfg.trainer.eval_every}, "
+        f"checkpoint every {cfg.trainer.save_every})",
+        f"  output     {output_dir}",
+    ]
+    if resumed_from is not None:
+        lines.append(f"  resumed    from {resumed_from}")
+    return "\n".join(lines)
+
+
 # -- the per-run logger ----------------------------------------------------------------------
 
 
 class RunLogger:
     """Writes metrics (jsonl always, every step; tensorboard / wandb every ``log_every`` steps
-    and on eval steps) and drives a tqdm bar with step, reward and ETA.
+    and on eval steps) and drives a tqdm bar with step, reward and ETA; without the bar
+    (``progress=False``, cluster logs) it prints one line every ``log_every`` steps instead.
 
     ``metrics.jsonl``: one object per training step; ``eval.jsonl``: one per evaluation
     (step 0 = base model). Both are flushed line by line so a killed run keeps what it logged.
@@ -274,6 +445,8 @@ class RunLogger:
         self._tb = None
         self._wandb = None
         self._bar = None
+        self.total_steps, self.start_step = int(total_steps), int(start_step)
+        self._t0 = time.perf_counter()
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,6 +485,7 @@ class RunLogger:
                 unit="step",
                 dynamic_ncols=True,
                 file=sys.stderr,
+                bar_format=BAR_FORMAT,
                 disable=os.environ.get("FLOWGRPO_NO_PROGRESS") == "1",
             )
 
@@ -332,6 +506,19 @@ class RunLogger:
                 post["eval"] = f"{row['eval/reward_mean']:.3f}"
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
+        elif int(row["step"]) % self.log_every == 0 or int(row["step"]) == self.total_steps:
+            self.write(step_line(row, self.total_steps, self.eta_s(int(row["step"]))))
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left after ``step``, at the mean pace of this process's steps so far."""
+        done = step - self.start_step
+        if done <= 0 or self.total_steps <= 0:
+            return None
+        return (time.perf_counter() - self._t0) / done * max(0, self.total_steps - step)
+
+    def warn(self, text: str) -> None:
+        """A ``warning: ...`` line (rank 0), without breaking the progress bar."""
+        self.write(f"warning: {text}")
 
     def log_eval(self, metrics: Mapping[str, Any]) -> None:
         """One evaluation (``step`` + ``eval/...`` keys) to eval.jsonl (and tb/wandb at step 0,
@@ -344,20 +531,54 @@ class RunLogger:
         if int(row.get("step", 0)) == 0:
             self._scalars(row)
 
-    def log_images(self, tag: str, images: torch.Tensor, step: int, nrow: int | None = None):
-        """An image grid [N, C, H, W] in [0, 1] to tensorboard / wandb."""
+    def log_images(
+        self,
+        tag: str,
+        images: torch.Tensor,
+        step: int,
+        nrow: int | None = None,
+        prompts: Sequence[str] | None = None,
+        rewards: Sequence[float] | None = None,
+    ) -> None:
+        """An image grid [N, C, H, W] in [0, 1] (videos [N, C, F, H, W]: an animated GIF) to
+        tensorboard / wandb, each row captioned with its prompt and each image with its reward
+        when given. wandb also gets each image captioned "prompt | reward" and a per-prompt
+        table (``TAG_table``: prompt, reward, image)."""
         if not self.enabled or (self._tb is None and self._wandb is None):
             return
+        notes = None if rewards is None else [f"{float(r):.3f}" for r in rewards]
         if images.dim() == 5:
-            self._log_video(tag, video_grid(images, nrow), step)
-            return
-        grid = make_grid(images, nrow)
-        if self._tb is not None:
-            self._tb.add_image(tag, grid, step, dataformats="HWC")
-        if self._wandb is not None:
-            import wandb as wandb_lib
+            self._log_video(tag, video_grid(images, nrow, prompts, notes), step)
+        else:
+            grid = make_grid(images, nrow, captions=prompts, notes=notes)
+            if self._tb is not None:
+                self._tb.add_image(tag, grid, step, dataformats="HWC")
+            if self._wandb is not None:
+                import wandb as wandb_lib
 
-            self._wandb.log({tag: wandb_lib.Image(grid)}, step=step)
+                self._wandb.log({tag: wandb_lib.Image(grid)}, step=step)
+        if self._wandb is not None and prompts is not None:
+            self._wandb_table(tag, images, step, prompts, rewards)
+
+    def _wandb_table(self, tag, images, step, prompts, rewards) -> None:
+        """Each eval image as its own captioned wandb image, and the per-prompt table."""
+        import wandb as wandb_lib
+
+        columns = ["prompt", "reward", "image"]
+        table, media = wandb_lib.Table(columns=columns), []
+        for i, img in enumerate(images):
+            reward = None if rewards is None else float(rewards[i])
+            caption = str(prompts[i]) + ("" if reward is None else f" | reward {reward:.3f}")
+            if img.dim() == 4:  # a video [C, F, H, W]
+                frames = [g[2:-2, 2:-2] for g in video_grid(img[None], nrow=1)]
+                item = wandb_lib.Video(
+                    np.stack(frames).transpose(0, 3, 1, 2), fps=VIDEO_FPS, caption=caption
+                )
+            else:
+                item = wandb_lib.Image(make_grid(img[None], nrow=1)[2:-2, 2:-2], caption=caption)
+            table.add_data(str(prompts[i]), reward, item)
+            media.append(item)
+        self._wandb.log({f"{tag}_captioned": media, f"{tag}_table": table}, step=step)
 
     def _log_video(self, tag: str, frames: list[np.ndarray], step: int) -> None:
         """An animated GIF grid: to tensorboard as an encoded image summary (what

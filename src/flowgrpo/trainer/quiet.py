@@ -1,0 +1,65 @@
+"""Quiet by default: what a run prints is what a user needs to read.
+
+* Loading bars (diffusers' "Loading pipeline components", transformers' "Loading checkpoint
+  shards", huggingface_hub's downloads) are shown by rank 0 only: eight ranks drew eight bars.
+* Two warnings that are known to be harmless for flowgrpo are silenced, each by a filter that
+  matches its exact text and nothing else (docs/training.md, "Quiet by default", says why):
+
+  - FSDP2's "FSDP2-wrapped module (...) returned a view tensor": it warns that an in-place op
+    on a block's output *would* skip the parameter all-gather. No flowgrpo code path does such
+    an op; sharded training is tested equal to one-process training (tests/engine,
+    tests/trainer), which a skipped all-gather would break.
+  - diffusers' prompt truncation warning ("The following part of your input was truncated
+    because ...") when the removed text is empty, as for the empty negative prompt: nothing of
+    any prompt was cut. When real text is cut, the warning stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor\. An in-place op"
+TRUNCATION_WARNING = "The following part of your input was truncated because"
+# the diffusers pipelines whose prompt encoders log TRUNCATION_WARNING
+TRUNCATION_LOGGERS = (
+    "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
+    "diffusers.pipelines.flux.pipeline_flux",
+)
+_BLANK_REMOVED = re.compile(r"tokens: \[(\s*'\s*'\s*,?)*\s*\]\s*$")  # e.g. "tokens: ['', '']"
+
+
+class BlankTruncationFilter(logging.Filter):
+    """Drops diffusers' truncation warning when the text it says was removed is blank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(TRUNCATION_WARNING):
+            return True
+        return _BLANK_REMOVED.search(message) is None
+
+
+_FILTER = BlankTruncationFilter()
+
+
+def quiet_known_noise(is_main: bool) -> None:
+    """Rank 0 keeps the loading bars, other ranks lose them; every rank drops the two
+    known-harmless warnings (module docstring). Idempotent."""
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
+    for name in TRUNCATION_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    if is_main:
+        return
+    import diffusers.utils.logging as diffusers_logging
+    import huggingface_hub.utils as hub_utils
+    import transformers.utils.logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
+
+
+__all__ = ["BlankTruncationFilter", "quiet_known_noise"]
