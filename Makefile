@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowgrpo-installed
+# this repository's venv: exactly the torch the tests run on, and the extras the tests need
+# (`parquet` is left out: without pyarrow a .parquet prompt file is a tested one-line error)
+TORCH := torch==2.13.0
+EXTRAS := ocr,wandb,toy,dev
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -13,8 +17,8 @@ export TRANSFORMERS_OFFLINE := 1
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the local CPU wheel (a range would pull a multi-GB CUDA build)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[ocr,dev]"
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)

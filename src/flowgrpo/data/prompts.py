@@ -128,7 +128,7 @@ def _load_parquet(path: Path) -> PromptDataset:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(
-            f"{path}: reading .parquet needs pyarrow (pip install pyarrow), or convert it to .jsonl"
+            f"{path}: reading .parquet needs pyarrow (pip install 'flowgrpo[parquet]'), or convert it to .jsonl"
         ) from None
     return _from_records(list(enumerate(pq.read_table(path).to_pylist())), path, "row")
 

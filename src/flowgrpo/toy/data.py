@@ -24,7 +24,7 @@ def _load() -> tuple[torch.Tensor, torch.Tensor]:
         from sklearn.datasets import load_digits
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the toy digits model needs scikit-learn: pip install 'flowgrpo[dev]' or scikit-learn"
+            "the toy digits model needs scikit-learn: pip install 'flowgrpo[toy]'"
         ) from err
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 8.0 - 1.0

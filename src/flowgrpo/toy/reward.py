@@ -144,11 +144,11 @@ def digits_accuracy(
 
 @lru_cache(maxsize=1)
 def _judge() -> Any:
-    from sklearn.svm import SVC
-
     from flowgrpo.toy.data import load_digits_data
 
-    x, y = load_digits_data("train")
+    x, y = load_digits_data("train")  # first: a clear error when scikit-learn is missing
+    from sklearn.svm import SVC
+
     return SVC(C=10.0, gamma="scale").fit(x.reshape(len(y), 64).numpy(), y.numpy())
 
 

@@ -464,8 +464,8 @@ class RunLogger:
                 import wandb as wandb_lib
             except ImportError as err:
                 raise ImportError(
-                    f"run.wandb={wandb!r} but wandb is not installed: pip install wandb "
-                    "(or set run.wandb=false)"
+                    f"run.wandb={wandb!r} but wandb is not installed: pip install wandb, or "
+                    "'flowgrpo[wandb]' (or set run.wandb=false)"
                 ) from err
             self._wandb = wandb_lib.init(
                 project=wandb_project,

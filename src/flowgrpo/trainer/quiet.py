@@ -1,7 +1,7 @@
 """Quiet by default: what a run prints is what a user needs to read.
 
 * Loading bars (diffusers' "Loading pipeline components", transformers' "Loading checkpoint
-  shards", huggingface_hub's downloads) are shown by rank 0 only: eight ranks drew eight bars.
+  shards") are shown by rank 0 only: eight ranks drew eight bars.
 * Two warnings that are known to be harmless for flowgrpo are silenced, each by a filter that
   matches its exact text and nothing else (docs/training.md, "Quiet by default", says why):
 
@@ -54,12 +54,10 @@ def quiet_known_noise(is_main: bool) -> None:
     if is_main:
         return
     import diffusers.utils.logging as diffusers_logging
-    import huggingface_hub.utils as hub_utils
     import transformers.utils.logging as transformers_logging
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    hub_utils.disable_progress_bars()
 
 
 __all__ = ["BlankTruncationFilter", "quiet_known_noise"]
