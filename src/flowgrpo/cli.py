@@ -110,11 +110,19 @@ def _in_process_group(cfg: Any, job: Any) -> int:
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from flowgrpo.config import load_config
-    from flowgrpo.config.docs import commented_yaml
+    from flowgrpo.config.docs import commented_yaml, value_origins
 
     preset, overrides = split_config_args(args.config_args)
     cfg = load_config(preset, overrides, check_paths=args.check)
-    print(commented_yaml(cfg), end="")
+    header, origins = value_origins(preset, overrides)
+    print(f"# preset {cfg.preset}" + (":" if header else ""))
+    print("".join(f"#   {line}\n" for line in header), end="")
+    print(
+        "# Each key's help is above it; where its value came from is at the end of its line:\n"
+        "# the preset (with its note: the reference's setting it follows), the command line,\n"
+        "# or nothing there: the default.\n"
+    )
+    print(commented_yaml(cfg, origins), end="")
     return 0
 
 

@@ -25,6 +25,7 @@ def test_override_types() -> None:
             "run.wandb=true",
             "sample.window_hi=null",
             "model.path=none",
+            "lora.enabled=true",  # the toy is a full fine-tune: target modules need LoRA
             "lora.target_modules=[to_q, to_k]",
             "optim.betas=[0.8, 0.95]",
             "sample.negative_prompt=7",  # a string field keeps the text
@@ -45,7 +46,9 @@ def test_override_types() -> None:
     assert cfg.run.name == ""
     assert cfg.seed == 123
     assert cfg.trainer.resume == "auto"
-    cfg = load_config(None, ["lora.target_modules=all-linear"], check_paths=False)
+    cfg = load_config(
+        None, ["lora.enabled=true", "lora.target_modules=all-linear"], check_paths=False
+    )
     assert cfg.lora.target_modules == "all-linear"
 
 

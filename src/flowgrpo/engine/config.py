@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flowgrpo.settings import between, check_section, ge, gt, need, one_of, setting
+from flowgrpo.settings import (
+    ConfigError,
+    between,
+    check_section,
+    ge,
+    gt,
+    need,
+    one_of,
+    setting,
+)
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -28,6 +37,14 @@ class LoraConfig:
         "Module names to adapt; null = the model family's defaults; `all-linear` = every Linear.",
     )
     dropout: float = setting(0.0, "LoRA dropout.", check=between(0, 1, hi_open=True))
+
+    def check(self) -> None:
+        if not self.enabled and self.target_modules is not None:
+            raise ConfigError(
+                f"config key 'lora.target_modules' is set ({self.target_modules!r}) but "
+                "lora.enabled=false: a full fine-tune trains every parameter; remove "
+                "lora.target_modules or set lora.enabled=true"
+            )
 
 
 @dataclass
