@@ -26,7 +26,7 @@ from flowgrpo.config.validate import validate
 from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
 from flowgrpo.settings import ConfigError
 
-ALIASES = {"resume": "trainer.resume"}  # contract 7: `flowgrpo train resume=auto`
+ALIASES = {"resume": "trainer.resume"}  # `flowgrpo train resume=auto`
 REWARD_LISTS = ("reward", "eval_reward")  # list-of-RewardSpec keys, entries named by label
 _NONE_TYPE = type(None)
 _MISSING = object()

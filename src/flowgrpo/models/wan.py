@@ -23,7 +23,7 @@ Mirrors ``WanPipeline.__call__`` of diffusers 0.42.1 piece by piece:
   ``guidance_scale_2`` (default: ``guidance_scale``), decided per sample (``WanExperts``).
 - decode: ``latents / (1 / latents_std) + latents_mean`` (the pipeline's form), ``vae.decode``
   -> videos [B, 3, F, H, W], ``(x / 2 + 0.5).clamp(0, 1)``. The pipeline's ``output_type="pt"``
-  permutes to [B, F, 3, H, W]; contract 9 keeps the VAE's [B, C, F, H, W].
+  permutes to [B, F, 3, H, W]; flowgrpo keeps the VAE's [B, C, F, H, W].
 Image-to-video (``WanImageToVideoPipeline``) is not supported.
 """
 
