@@ -69,15 +69,22 @@ def test_preset_notes_reads_inline_continued_and_section_comments():
     assert notes["reward"] == "OCR" and "run.name" not in notes
 
 
-def test_a_registered_reward_with_a_bad_weight_is_a_weight_error():
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["reward=digits:abc"], check_paths=False)
+def test_a_registered_reward_with_a_bad_weight_is_a_weight_error(tmp_path, monkeypatch):
+    from flowgrpo.rewards import build_reward
+
+    with pytest.raises(ValueError) as e:
+        build_reward("digits:abc")
     assert str(e.value) == (
-        "config key 'reward[0]': weight of reward 'digits' must be a number, got 'abc' "
+        "weight of reward 'digits' must be a number, got 'abc' in 'digits:abc' "
         "(a reward of your own is named by its import path, module:function)"
     )
-    spec = load_config(None, ["reward=mymodule:abc"], check_paths=False).reward[0]
-    assert spec.name == "mymodule:abc" and spec.weight == 1.0  # an import path stays one
+    with pytest.raises(ValueError, match="cannot import module 'nomodule_t23' of reward"):
+        build_reward("nomodule_t23:abc")  # an unknown module stays an import error
+    (tmp_path / "mymodule_t23.py").write_text(
+        "def abc(images, prompts, metadata):\n    return [1.0]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert build_reward("mymodule_t23:abc")(None, [""], [{}]) == [1.0]  # an import path works
 
 
 def test_lora_target_modules_on_a_full_fine_tune_is_a_config_error(capsys):

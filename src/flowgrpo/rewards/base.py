@@ -70,6 +70,12 @@ def _import_path(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
+        if module_name.strip() in _REGISTRY:  # 'digits:abc': a registered reward, a bad weight
+            raise ValueError(
+                f"weight of reward {module_name.strip()!r} must be a number, got "
+                f"{attr.strip()!r} in {path!r} (a reward of your own is named by its import "
+                "path, module:function)"
+            ) from None
         raise ValueError(f"cannot import module {module_name!r} of reward {path!r}: {e}") from e
     obj = module
     for part in attr.split("."):

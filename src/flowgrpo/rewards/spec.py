@@ -114,7 +114,6 @@ def _from_text(text: str, key: str) -> RewardSpec:
         try:
             weight = float(tail)
         except ValueError:
-            _check_not_a_bad_weight(name.strip(), tail.strip(), key)
             return RewardSpec(name=text.strip())
         if not math.isfinite(weight):
             tail = tail.strip()
@@ -129,18 +128,6 @@ def _from_text(text: str, key: str) -> RewardSpec:
             )
         return RewardSpec(name=name.strip(), weight=weight)
     return RewardSpec(name=text.strip())
-
-
-def _check_not_a_bad_weight(name: str, tail: str, key: str) -> None:
-    """``NAME:TAIL`` where NAME is a registered reward ('digits:abc') is a reward with a bad
-    weight, not the import path of a function TAIL in a module NAME."""
-    from flowgrpo.rewards.base import registered_rewards
-
-    if name in registered_rewards():
-        raise ConfigError(
-            f"config key {key!r}: weight of reward {name!r} must be a number, got {tail!r} "
-            "(a reward of your own is named by its import path, module:function)"
-        )
 
 
 def _number(value: Any, key: str) -> float:
