@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import warnings
 from pathlib import Path
 
@@ -270,6 +271,17 @@ def test_wandb_gets_captioned_images_and_a_per_prompt_table(tmp_path):
     data = json.loads(table.read_text())
     assert data["columns"] == ["prompt", "reward", "image"]
     assert [row[:2] for row in data["data"]] == [["a 7", 0.9], ["a 1", 0.1]]
+
+
+def test_wandb_video_captions_and_table_need_no_moviepy(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setitem(sys.modules, "moviepy", None)  # as if it were not installed
+    log = RunLogger(tmp_path, wandb="offline", tensorboard=False, progress=False)
+    log.log_images("eval/images", torch.rand(2, 3, 3, 8, 8), 1, 1, ["a 7", "a 1"], [0.9, 0.1])
+    log.close()
+    (table,) = tmp_path.rglob("offline-run-*/files/media/table/eval/images_table_*.table.json")
+    assert [r[:2] for r in json.loads(table.read_text())["data"]] == [["a 7", 0.9], ["a 1", 0.1]]
+    assert len(list(tmp_path.rglob("offline-run-*/files/media/videos/eval/*.gif"))) >= 3
 
 
 def test_loading_bars_from_rank_zero_only():

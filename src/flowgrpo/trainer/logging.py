@@ -562,23 +562,28 @@ class RunLogger:
 
     def _wandb_table(self, tag, images, step, prompts, rewards) -> None:
         """Each eval image as its own captioned wandb image, and the per-prompt table."""
+        import tempfile
+
         import wandb as wandb_lib
 
         columns = ["prompt", "reward", "image"]
         table, media = wandb_lib.Table(columns=columns), []
-        for i, img in enumerate(images):
-            reward = None if rewards is None else float(rewards[i])
-            caption = str(prompts[i]) + ("" if reward is None else f" | reward {reward:.3f}")
-            if img.dim() == 4:  # a video [C, F, H, W]
-                frames = [g[2:-2, 2:-2] for g in video_grid(img[None], nrow=1)]
-                item = wandb_lib.Video(
-                    np.stack(frames).transpose(0, 3, 1, 2), fps=VIDEO_FPS, caption=caption
-                )
-            else:
-                item = wandb_lib.Image(make_grid(img[None], nrow=1)[2:-2, 2:-2], caption=caption)
-            table.add_data(str(prompts[i]), reward, item)
-            media.append(item)
-        self._wandb.log({f"{tag}_captioned": media, f"{tag}_table": table}, step=step)
+        with tempfile.TemporaryDirectory() as tmp:  # videos: GIF files, copied by wandb
+            for i, img in enumerate(images):
+                reward = None if rewards is None else float(rewards[i])
+                caption = str(prompts[i]) + ("" if reward is None else f" | reward {reward:.3f}")
+                if img.dim() == 4:  # a video [C, F, H, W]: a GIF (no moviepy needed)
+                    path = Path(tmp) / f"video_{i}.gif"
+                    path.write_bytes(
+                        gif_bytes([g[2:-2, 2:-2] for g in video_grid(img[None], nrow=1)])
+                    )
+                    item = wandb_lib.Video(str(path), format="gif", caption=caption)
+                else:
+                    cell = make_grid(img[None], nrow=1)[2:-2, 2:-2]
+                    item = wandb_lib.Image(cell, caption=caption)
+                table.add_data(str(prompts[i]), reward, item)
+                media.append(item)
+            self._wandb.log({f"{tag}_captioned": media, f"{tag}_table": table}, step=step)
 
     def _log_video(self, tag: str, frames: list[np.ndarray], step: int) -> None:
         """An animated GIF grid: to tensorboard as an encoded image summary (what
