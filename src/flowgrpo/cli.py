@@ -222,7 +222,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     when ``argv`` selects them."""
     parser = argparse.ArgumentParser(
         prog="flowgrpo",
-        description="Flow-GRPO online RL for flow-matching text-to-image models.",
+        description="Online RL (Flow-GRPO, MixGRPO, GRPO-Guard, DiffusionNFT) for flow-matching "
+        "text-to-image and text-to-video models.",
         epilog="`flowgrpo train --help` prints the effective default config. "
         "Docs: docs/training.md.",
     )
