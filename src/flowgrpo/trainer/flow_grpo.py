@@ -232,6 +232,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         seeds = [S.sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
     t3 = time.perf_counter()
+    memory = D.all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
     if not bool(combined.advantages.any()):  # every group's rewards were equal
         train_metrics = {
             k: v for k, v in train_metrics.items() if f"train/{k}" not in RATIO_METRICS
@@ -249,14 +250,15 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         "time/step_s": t3 - t0,
         "images_per_s": len(indices) / max(t3 - t0, 1e-9),
         "images_per_s_per_gpu": len(indices) / max(t3 - t0, 1e-9) / dist.world_size,
-        **peak_memory(dist.device),
+        **{k: max(m[k] for m in memory) for k in memory[0]},
     }
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
     """``memory/peak_gib``: the device memory this rank's tensors peaked at since the last
-    reset (CUDA only: ``torch.cuda.max_memory_allocated``; the step resets it), and
-    ``memory/host_peak_gib``: this process's peak resident memory on the host (Linux/macOS)."""
+    reset (CUDA only: ``torch.cuda.max_memory_allocated``; each step resets it), and
+    ``memory/host_peak_gib``: this process's peak resident memory on the host (Linux/macOS).
+    A step logs the largest over the ranks."""
     out = {}
     if device.type == "cuda":
         out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
