@@ -138,3 +138,22 @@ def test_every_import_is_a_dependency_or_in_an_extra_the_makefile_installs():
         dist = _distribution(module)
         if dist not in core:  # optional for users: say which extra
             assert any(dist in v for v in extras.values()), module
+
+
+def test_a_missing_extra_names_it(monkeypatch):
+    """The toy without scikit-learn, .parquet without pyarrow: one line naming the extra."""
+    from flowgrpo.toy import data as toy_data
+
+    for name in ("sklearn", "sklearn.datasets", "sklearn.svm"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    toy_data._load.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"pip install 'flowgrpo\[toy\]'"):
+            toy_data.load_digits_data("train")
+        from flowgrpo.toy.reward import _judge
+
+        _judge.cache_clear()
+        with pytest.raises(ImportError, match=r"pip install 'flowgrpo\[toy\]'"):
+            _judge()
+    finally:
+        toy_data._load.cache_clear()
