@@ -239,7 +239,8 @@ class TrainerConfig:
     )
     log_every: int = setting(
         1,
-        "Print a progress line every N steps (metrics.jsonl gets every step).",
+        "Without the progress bar, print a line every N steps; tensorboard / wandb get the "
+        "scalars every N steps (metrics.jsonl gets every step).",
         check=ge(1),
     )
 
@@ -263,7 +264,11 @@ class RunConfig:
         "`offline` (no network), `online` or `disabled`.",
         check=one_of(*WANDB_MODES),
     )
-    progress_bar: bool = setting(True, "Show a progress bar with step, reward and ETA.")
+    progress_bar: bool = setting(
+        True,
+        "Show a progress bar with step, reward and ETA; false (cluster logs): a line every "
+        "`trainer.log_every` steps instead.",
+    )
     num_threads: int = setting(
         0,
         "CPU threads per process for torch (0 = torch's default). Tiny models run faster on 1 "
