@@ -76,12 +76,10 @@ def three_steps(tmp_path_factory):
 def test_banner_names_the_layout_parameters_batch_algorithm_and_folder(three_steps):
     out, text = three_steps
     banner = text.split("\nstep ", 1)[0]
-    trainable = sum(
-        p.numel()
-        for p in __import__("flowgrpo.toy.pipeline", fromlist=["x"])
-        .ToyDigitsPipeline.from_pretrained(random_toy_path())
-        .transformer.parameters()
-    )
+    from flowgrpo.toy.pipeline import ToyDigitsPipeline
+
+    model = ToyDigitsPipeline.from_pretrained(random_toy_path()).transformer
+    trainable = sum(p.numel() for p in model.parameters())  # a full fine-tune trains them all
     assert banner.startswith("flowgrpo train: flow_grpo on ")
     assert "1 rank(s) on cpu: 1 replica(s) x 1 FSDP shard(s) x sequence-parallel 1" in banner
     assert f"trainable  {trainable:,} of {trainable:,} parameters (full fine-tune)" in banner
