@@ -337,9 +337,38 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+def apply_configured_optim(engine) -> dict[str, tuple[Any, Any]]:
+    """Make the configured ``optim.lr`` / ``weight_decay`` / ``betas`` / ``eps`` the ones the
+    next step uses: a restored optimizer and LR scheduler carry the checkpoint's (the LR
+    schedule continues from its step with the configured base LR). Returns {setting:
+    (checkpoint's value, configured value)} for those that differ (empty when none)."""
+    o, sched = engine.config.optim, engine.scheduler
+    groups = engine.optimizer.param_groups
+    want = {
+        "lr": float(o.lr),
+        "weight_decay": float(o.weight_decay),
+        "betas": tuple(float(b) for b in o.betas),
+        "eps": float(o.eps),
+    }
+    had = {
+        "lr": float(sched.base_lrs[0]),
+        "weight_decay": float(groups[0]["weight_decay"]),
+        "betas": tuple(float(b) for b in groups[0]["betas"]),
+        "eps": float(groups[0]["eps"]),
+    }
+    sched.base_lrs = [want["lr"]] * len(groups)
+    for group, factor in zip(groups, sched.lr_lambdas, strict=True):
+        group.update(initial_lr=want["lr"], weight_decay=want["weight_decay"], eps=want["eps"])
+        group.update(betas=want["betas"], lr=want["lr"] * factor(sched.last_epoch))
+    return {k: (had[k], want[k]) for k in want if had[k] != want[k]}
+
+
 def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     """Restore ``engine`` from a checkpoint directory, or from the newest complete one under a
     root (collective). Works across world sizes. Returns (step, extra).
+
+    The configured optimizer settings replace the checkpoint's (``apply_configured_optim``;
+    what changed is left in ``engine.optim_changes``).
 
     Runs no code from the checkpoint: a file holding anything but plain data (tensors,
     numbers, strings; DCP's own metadata classes) is refused with a ValueError naming it,
@@ -401,6 +430,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     engine.scheduler.load_state_dict(es["scheduler"])
     o = engine.config.optim  # LambdaLR restores its lambda's fields: the current config wins
     engine.scheduler.lr_lambdas[0] = LRLambda(o.lr_schedule, o.warmup_steps, o.total_steps)
+    engine.optim_changes = apply_configured_optim(engine)
     engine.generator.set_state(es["generator"])
     if rng is not None:
         _set_rng_state(rng)
@@ -419,6 +449,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
 __all__ = [
     "MARKER",
     "UnsafeCheckpointError",
+    "apply_configured_optim",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",

@@ -308,6 +308,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
     )
     if resume_from is not None:
         logger.write(f"resumed from {resume_from} at step {state['step']}")
+        if run.engine.optim_changes:
+            logger.write(S.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
         state["base_eval"], grid = evaluate(run)
         logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})

@@ -194,6 +194,16 @@ def new_run_id() -> str:
     return all_gather_object(uuid.uuid4().hex)[0]
 
 
+def optim_changes_line(changes: dict[str, tuple[Any, Any]], step: int) -> str:
+    """One line saying which optimizer settings a resume changed ({name: (old, new)})."""
+    what = ", ".join(f"optim.{k} {_short(a)} -> {_short(b)}" for k, (a, b) in changes.items())
+    return f"optimizer settings changed on resume, in effect from step {step}: {what}"
+
+
+def _short(v: Any) -> str:
+    return f"({', '.join(f'{x:g}' for x in v)})" if isinstance(v, tuple) else f"{v:g}"
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a run / checkpoints directory -> its newest complete one."""
     from flowgrpo.engine.checkpoint import latest_checkpoint
