@@ -271,7 +271,15 @@ def evaluate(run: Run) -> tuple[dict[str, float], torch.Tensor]:
 
 def run_training(cfg: Any) -> dict[str, Any]:
     """Train per ``cfg``; returns {"base": eval metrics, "final": eval metrics, "steps",
-    "samples", "wall_s", "output_dir", paths of the figures}."""
+    "samples", "wall_s", "output_dir", paths of the figures}. The run folder is locked while
+    it runs (``setup.lock_output_dir``), released however it ends."""
+    try:
+        return _run_training(cfg)
+    finally:
+        S.release_output_dir()
+
+
+def _run_training(cfg: Any) -> dict[str, Any]:
     wall0 = time.perf_counter()
     dist = D.init_distributed()
     D.seed_everything(cfg.seed, dist.rank)
