@@ -231,3 +231,57 @@ def test_a_run_folder_deleted_mid_run_is_an_error(tmp_path, capsys, monkeypatch)
         f"flowgrpo: error: run.output_dir {out} (or a log file in it) was deleted while the run "
         "was writing to it: its metrics are lost; start the run again"
     ]
+
+
+def _markers(out: Path) -> dict[str, list[str]]:
+    from flowgrpo.engine.checkpoint import DIVERGED, ROLLOUT_OK
+
+    return {
+        d.name: [m for m in (ROLLOUT_OK, DIVERGED) if (d / m).exists()]
+        for d in sorted((out / "checkpoints").iterdir())
+    }
+
+
+def test_a_checkpoint_whose_rollout_diverges_is_never_the_last_good_one(tmp_path, capsys):
+    """optim.lr=100: step 1's weights are finite, their rollout is not. Before: step_1 was kept
+    as "the last good checkpoint", and every resume from it diverged again."""
+    out = tmp_path / "poisoned"
+    code, _, errors = train(
+        capsys, out, "optim.lr=100", "trainer.max_steps=3", "trainer.save_every=1"
+    )
+    step_1 = out / "checkpoints" / "step_1"
+    assert code == 1 and errors == [
+        "flowgrpo: error: training diverged: the rollout of step 2 produced non-finite latents "
+        f"(the weights give NaN/inf); {step_1} holds these weights and is marked diverged; no "
+        "checkpoint of this run has given a finite rollout: start again with a lower optim.lr "
+        "(run.overwrite=true)"
+    ]
+    assert _markers(out) == {"step_1": ["DIVERGED"]}
+    code, _, errors = train(capsys, out, "trainer.max_steps=1", "trainer.resume=auto")
+    assert code == 0, errors  # step_1 is not resumed from: the run starts over
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
+
+
+def test_divergence_names_the_last_good_checkpoint_and_pruning_keeps_it(tmp_path, capsys):
+    """Two good steps, then a resume with optim.lr=100 and trainer.keep_last=1: step 3's
+    weights diverge at step 4's rollout. step_2 (its rollout at step 3 was finite) is kept
+    although keep_last=1, named, and the next trainer.resume=auto continues from it."""
+    out = tmp_path / "named"
+    assert train(capsys, out, "trainer.max_steps=2", "trainer.save_every=1")[0] == 0
+    assert _markers(out) == {"step_1": ["ROLLOUT_OK"], "step_2": ["ROLLOUT_OK"]}
+    code, _, errors = train(
+        capsys, out, "trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_last=1",
+        "trainer.resume=auto", "optim.lr=100",
+    )  # fmt: skip
+    ckpts = out / "checkpoints"
+    assert code == 1 and errors == [
+        "flowgrpo: error: training diverged: the rollout of step 4 produced non-finite latents "
+        f"(the weights give NaN/inf); {ckpts / 'step_3'} holds these weights and is marked "
+        f"diverged; the last good checkpoint is {ckpts / 'step_2'}: resume from it "
+        "(trainer.resume=auto) with a lower optim.lr"
+    ]
+    assert _markers(out) == {"step_2": ["ROLLOUT_OK"], "step_3": ["DIVERGED"]}
+    code, lines, errors = train(capsys, out, "trainer.max_steps=3", "trainer.resume=auto")
+    assert code == 0, errors
+    assert f"resumed from {ckpts / 'step_2'} at step 2" in lines
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
