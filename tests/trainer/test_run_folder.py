@@ -196,6 +196,23 @@ def test_a_run_that_fails_before_step_1_does_not_block_the_rerun(tmp_path, capsy
     assert [r["step"] for r in read_jsonl(out / "eval.jsonl")] == [0, 1]
 
 
+def test_no_step_logged_means_no_run_in_the_folder(tmp_path):
+    """An empty metrics.jsonl (a failed run of an older version) does not block a fresh run,
+    and truncating away every row (a restart from step 0) leaves no file behind."""
+    from flowgrpo.config.validate import holds_run
+    from flowgrpo.trainer.logging import truncate_jsonl
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("")
+    assert not holds_run(tmp_path)
+    metrics.write_text('{"step": 1}\n')
+    assert holds_run(tmp_path)
+    truncate_jsonl(metrics, 1)
+    assert read_jsonl(metrics) == [{"step": 1}]
+    truncate_jsonl(metrics, -1)
+    assert not metrics.exists() and not holds_run(tmp_path)
+
+
 def test_a_crash_before_the_first_checkpoint_does_not_repeat_the_step_0_eval(tmp_path):
     """kill -9 during step 1 (as an elastic restart would), then trainer.resume=auto: there is
     no checkpoint, the run starts over, and eval.jsonl holds step 0 once (before: twice)."""

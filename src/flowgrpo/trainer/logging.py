@@ -45,12 +45,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def truncate_jsonl(path: str | Path, max_step: int) -> None:
     """Keep only rows with ``step <= max_step`` (on resume: drop steps done after the last
-    complete checkpoint, which the resumed run will log again)."""
+    complete checkpoint, which the resumed run will log again); no row left: no file."""
     p = Path(path)
     if not p.exists():
         return
     rows = [r for r in read_jsonl(p) if int(r.get("step", 0)) <= max_step]
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if rows:
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        p.unlink()
 
 
 def deterministic_view(row: Mapping[str, Any]) -> dict[str, Any]:
