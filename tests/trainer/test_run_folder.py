@@ -295,7 +295,7 @@ def test_divergence_names_the_last_good_checkpoint_and_pruning_keeps_it(tmp_path
         "(trainer.resume=auto) with a lower optim.lr"
     ]
     assert _markers(out) == {"step_2": ["ROLLOUT_OK"], "step_3": ["DIVERGED"]}
-    code, lines, errors = train(capsys, out, "trainer.max_steps=3", "trainer.resume=auto")
-    assert code == 0, errors
-    assert f"resumed from {ckpts / 'step_2'} at step 2" in lines
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    code, _, errors = train(capsys, out, "trainer.max_steps=3", "trainer.resume=auto")
+    assert code == 0, errors  # from step_2 (step_3's weights would diverge again)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [(r["step"], r["train/lr"]) for r in rows] == [(1, 3e-4), (2, 3e-4), (3, 3e-4)]
