@@ -11,7 +11,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
 ADVANTAGES = torch.tensor([1.0, -0.5])
-KINDS = ("qwen_image", "flux", "sd3", "wan")
+KINDS = ("qwen_image", "flux", "sd3", "wan", "wan22")
 MODES = ("lora", "full")
 
 
@@ -34,14 +34,21 @@ def run(kind: str, mode: str, sp: int) -> dict:
         }
     )
     pipe = tiny_pipeline(kind)
-    options = {"flux": {"true_cfg_scale": 4.0}, "wan": {"num_frames": 5}}.get(kind, {})
+    options = {
+        "flux": {"true_cfg_scale": 4.0},
+        "wan": {"num_frames": 5},
+        "wan22": {"num_frames": 5},
+    }
+    options = options.get(kind, {})
     adapter = build_adapter(pipe, **options)
     engine, algo = build_engine(cfg, adapter, init_distributed())
     seen: list[int] = []  # tokens reaching proj_out on this rank (halved under SP: the
     # output is gathered after it)
-    adapter.transformer.proj_out.register_forward_pre_hook(
-        lambda module, args: seen.append(args[0].shape[1])
-    )
+    parts = getattr(adapter.transformer, "sequence_parallel_parts", None)  # Wan2.2's experts
+    for transformer in parts() if parts else [adapter.transformer]:
+        transformer.proj_out.register_forward_pre_hook(
+            lambda module, args: seen.append(args[0].shape[1])
+        )
     g = 3.5 if kind == "flux" else 4.0
     kw = dict(num_steps=3, guidance_scale=g, height=32, width=32, decode=False)
 

@@ -190,3 +190,43 @@ def test_pruning_never_touches_another_runs_checkpoints(dist1, tiny_traj, tmp_pa
     left = sorted(d.name for d in tmp_path.iterdir())
     assert left == ["step_2", "step_4"]  # each run kept its own newest one
     assert ckpt_mod.run_id_of(tmp_path / "step_2") == "new"
+
+
+def test_resume_applies_the_configured_optimizer_settings(dist1, tiny_traj, tmp_path):
+    """A resume with a new optim.lr / weight_decay / betas / eps: the next step uses them (the
+    restored optimizer and scheduler carried the checkpoint's), with the cosine schedule still
+    at its step. Checked against AdamW's update written out from the step's moments."""
+    import math
+
+    traj, adv = tiny_traj.select([0, 1]), tm.ADVANTAGES[:2]
+    engine = tm.engine_for(tm.TinyAdapter(), tm.make_config("lora"))  # lr 1e-2, cosine 1 / 6
+    for _ in range(2):
+        tm.train_step(engine, traj, adv)
+    save_checkpoint(engine, tmp_path, 2)
+    new = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.8, 0.95), "eps": 1e-6}
+    cfg = tm.make_config("lora", **{f"optim.{k}": v for k, v in new.items()})
+    fresh = tm.engine_for(tm.TinyAdapter(), cfg)
+    load_checkpoint(fresh, tmp_path / "step_2")
+    assert fresh.optim_changes == {
+        "lr": (1e-2, 1e-3),
+        "weight_decay": (0.0, 0.1),
+        "betas": ((0.9, 0.999), (0.8, 0.95)),
+        "eps": (1e-8, 1e-6),
+    }
+    lr = 1e-3 * 0.5 * (1 + math.cos(math.pi * (2 - 1) / (6 - 1)))  # cosine at optimizer step 2
+    before = tm.trainable(fresh)
+    metrics = tm.train_step(fresh, traj, adv)
+    assert metrics["lr"] == pytest.approx(lr, rel=1e-12)
+    after = tm.trainable(fresh)
+    named = dict(zip(fresh.param_names, fresh.params, strict=True))
+    (b1, b2), t = new["betas"], 3
+    for name, p in named.items():
+        state = fresh.optimizer.state[p]
+        assert float(state["step"]) == t
+        m, v = state["exp_avg"].full_tensor(), state["exp_avg_sq"].full_tensor()
+        denom = v.sqrt() / math.sqrt(1 - b2**t) + new["eps"]
+        want = before[name] * (1 - lr * new["weight_decay"]) - lr / (1 - b1**t) * m / denom
+        torch.testing.assert_close(after[name], want, rtol=1e-5, atol=1e-8)
+    same = tm.engine_for(tm.TinyAdapter(), tm.make_config("lora"))
+    load_checkpoint(same, tmp_path / "step_2")
+    assert same.optim_changes == {}  # unchanged settings: nothing said, nothing changed

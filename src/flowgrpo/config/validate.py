@@ -26,11 +26,13 @@ RUN_OUTPUTS = (
 
 
 def holds_run(folder: str | Path) -> bool:
-    """True when ``folder`` holds an earlier run's checkpoints or metrics."""
+    """True when ``folder`` holds an earlier run's checkpoints or metrics (an empty
+    metrics.jsonl, of a run that failed before its first step, does not count)."""
     root = Path(folder).expanduser()
     ckpts = root / "checkpoints"
     has_ckpt = ckpts.is_dir() and any(d.name.startswith("step_") for d in ckpts.iterdir())
-    return has_ckpt or (root / "metrics.jsonl").is_file()
+    metrics = root / "metrics.jsonl"
+    return has_ckpt or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 PATH_REWARDS = ("pickscore", "clip_score")  # CLIP-family rewards that need options.path

@@ -48,6 +48,8 @@ from flowgrpo.engine.fsdp import LRLambda
 from flowgrpo.errors import RunError, TrainingDiverged
 
 MARKER = "COMPLETE"
+ROLLOUT_OK = "ROLLOUT_OK"  # a rollout from these weights was finite: a good checkpoint
+DIVERGED = "DIVERGED"  # a rollout from these weights was not: never resumed from again
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -258,8 +260,8 @@ def save_checkpoint(
         raise TypeError(f"save_checkpoint extra must be JSON-serialisable: {err}") from None
     if not engine.weights_are_finite():
         raise TrainingDiverged(
-            f"training diverged: refusing to save non-finite weights at step {step} in {root} "
-            "(the last good checkpoint is kept); lower optim.lr"
+            f"training diverged: refusing to save non-finite weights at step {step} in {root}; "
+            + resume_advice(root)
         )
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     try:
@@ -322,24 +324,91 @@ def run_id_of(checkpoint: Path) -> str | None:
 
 def _prune(root: Path, keep_last: int | None, run_id: str | None) -> None:
     """Remove stale ``.tmp`` dirs and all but the newest ``keep_last`` complete checkpoints
-    written by run ``run_id``; other runs' checkpoints are left alone."""
+    written by run ``run_id``, and the newest good one (``is_good``); other runs'
+    checkpoints are left alone."""
     for d in root.glob("step_*.tmp"):
         shutil.rmtree(d, ignore_errors=True)
     if keep_last:
         mine = [d for _, d in _complete_steps(root) if run_id_of(d) == run_id]
-        for d in mine[:-keep_last]:
-            shutil.rmtree(d, ignore_errors=True)
+        keep = set(mine[-keep_last:]) | set([d for d in mine if is_good(d)][-1:])
+        for d in mine:
+            if d not in keep:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """Newest ``<root>/step_<N>`` that has the COMPLETE marker (``.tmp`` dirs never count)."""
-    steps = _complete_steps(Path(root))
-    return steps[-1][1] if steps else None
+    """Newest ``<root>/step_<N>`` that has the COMPLETE marker (``.tmp`` dirs never count)
+    and is not marked DIVERGED (``mark_checkpoint``)."""
+    steps = [d for _, d in _complete_steps(Path(root)) if not (d / DIVERGED).exists()]
+    return steps[-1] if steps else None
+
+
+def is_good(checkpoint: Path) -> bool:
+    """A rollout from the checkpoint's weights was finite, and none was not."""
+    return (checkpoint / ROLLOUT_OK).is_file() and not (checkpoint / DIVERGED).exists()
+
+
+def mark_checkpoint(checkpoint: Path, marker: str) -> None:
+    """Record (rank 0) that a rollout from ``checkpoint``'s weights was finite (``ROLLOUT_OK``)
+    or not (``DIVERGED``: ``latest_checkpoint`` skips it from then on)."""
+    if not (checkpoint / marker).exists():
+        try:
+            (checkpoint / marker).write_text("yes\n")
+        except FileNotFoundError:  # the checkpoint or its folder went meanwhile
+            pass
+
+
+def last_good_checkpoint(root: str | Path) -> Path | None:
+    """Newest complete checkpoint under ``root`` that ``is_good``."""
+    good = [d for _, d in _complete_steps(Path(root)) if is_good(d)]
+    return good[-1] if good else None
+
+
+def resume_advice(root: str | Path) -> str:
+    """What to do after a divergence: resume from the last good checkpoint under ``root``
+    (named), or start again when there is none. One clause, for the error line."""
+    good = last_good_checkpoint(root)
+    if good is None:
+        return (
+            "no checkpoint of this run has given a finite rollout: start again with a lower "
+            "optim.lr (run.overwrite=true)"
+        )
+    how = "auto" if latest_checkpoint(root) == good else str(good)
+    return f"the last good checkpoint is {good}: resume from it (trainer.resume={how}) with a lower optim.lr"
+
+
+def apply_configured_optim(engine) -> dict[str, tuple[Any, Any]]:
+    """Make the configured ``optim.lr`` / ``weight_decay`` / ``betas`` / ``eps`` the ones the
+    next step uses: a restored optimizer and LR scheduler carry the checkpoint's (the LR
+    schedule continues from its step with the configured base LR). Returns {setting:
+    (checkpoint's value, configured value)} for those that differ (empty when none)."""
+    o, sched = engine.config.optim, engine.scheduler
+    groups = engine.optimizer.param_groups
+    want = {
+        "lr": float(o.lr),
+        "weight_decay": float(o.weight_decay),
+        "betas": tuple(float(b) for b in o.betas),
+        "eps": float(o.eps),
+    }
+    had = {
+        "lr": float(sched.base_lrs[0]),
+        "weight_decay": float(groups[0]["weight_decay"]),
+        "betas": tuple(float(b) for b in groups[0]["betas"]),
+        "eps": float(groups[0]["eps"]),
+    }
+    sched.base_lrs = [want["lr"]] * len(groups)
+    for group, factor in zip(groups, sched.lr_lambdas, strict=True):
+        group.update(initial_lr=want["lr"], weight_decay=want["weight_decay"], eps=want["eps"])
+        group.update(betas=want["betas"], lr=want["lr"] * factor(sched.last_epoch))
+    return {k: (had[k], want[k]) for k in want if had[k] != want[k]}
 
 
 def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     """Restore ``engine`` from a checkpoint directory, or from the newest complete one under a
     root (collective). Works across world sizes. Returns (step, extra).
+
+    The configured optimizer settings replace the checkpoint's (``apply_configured_optim``;
+    what changed is left in ``engine.optim_changes``).
 
     Runs no code from the checkpoint: a file holding anything but plain data (tensors,
     numbers, strings; DCP's own metadata classes) is refused with a ValueError naming it,
@@ -401,6 +470,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     engine.scheduler.load_state_dict(es["scheduler"])
     o = engine.config.optim  # LambdaLR restores its lambda's fields: the current config wins
     engine.scheduler.lr_lambdas[0] = LRLambda(o.lr_schedule, o.warmup_steps, o.total_steps)
+    engine.optim_changes = apply_configured_optim(engine)
     engine.generator.set_state(es["generator"])
     if rng is not None:
         _set_rng_state(rng)
@@ -417,9 +487,16 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
 
 
 __all__ = [
+    "DIVERGED",
     "MARKER",
+    "ROLLOUT_OK",
     "UnsafeCheckpointError",
+    "apply_configured_optim",
+    "is_good",
+    "last_good_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
+    "mark_checkpoint",
+    "resume_advice",
     "save_checkpoint",
 ]

@@ -190,6 +190,7 @@ class DiffusersFSDPEngine:
         self.step = 0
         self.optimizer_steps = 0
         self.consecutive_skips = 0
+        self.optim_changes: dict[str, tuple[Any, Any]] = {}  # by load_checkpoint: old, new
 
     # -- construction ------------------------------------------------------------------------
     def _add_lora(self, model: nn.Module) -> None:

@@ -386,7 +386,7 @@ class SequenceParallel:
     family: str | None
     sp_degree: int
     parallel_config: Any
-    hook: Any
+    hook: Any  # a list of hooks for a module of several transformers
 
 
 def enable_sequence_parallel(
@@ -410,7 +410,8 @@ def enable_sequence_parallel(
     Qwen-Image, FLUX, SD3: text shorter than a multiple of sp is padded with masked tokens (the
     result is the unpadded one); image tokens must divide by sp (clear error). Heads must
     divide by sp. Other models with a diffusers ``_cp_plan`` (e.g. Wan) run without padding:
-    every split length must divide by sp.
+    every split length must divide by sp. A module holding several transformers (Wan2.2's
+    two experts) names them in ``sequence_parallel_parts()``: each gets SP on the same mesh.
     """
     from diffusers import ContextParallelConfig
 
@@ -427,6 +428,16 @@ def enable_sequence_parallel(
             f"the mesh has ring={cp['ring'].size()}, ulysses={cp['ulysses'].size()}; "
             f"expected ring=1, ulysses=sp_degree={sp_degree}"
         )
+    parts = getattr(transformer, "sequence_parallel_parts", None)
+    if callable(parts):  # several transformers in one module (Wan2.2's experts): each gets SP
+        infos = [
+            enable_sequence_parallel(p, cp, sp_degree, verify_inputs=verify_inputs) for p in parts()
+        ]
+        info = SequenceParallel(
+            infos[0].family, sp_degree, infos[0].parallel_config, [i.hook for i in infos]
+        )
+        transformer._flowgrpo_sp = info
+        return info
     if getattr(transformer, "_parallel_config", None) is not None:
         raise RuntimeError("parallelism is already enabled on this transformer (once per model)")
     family = model_family(transformer)

@@ -38,6 +38,11 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
     def config(self) -> Any:
         return self.transformer.config
 
+    def sequence_parallel_parts(self) -> list[torch.nn.Module]:
+        """The transformers that sequence parallelism splits, each with diffusers' Wan
+        ``_cp_plan`` (``flowgrpo.engine.sp.enable_sequence_parallel``)."""
+        return [self.transformer, self.transformer_2]
+
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()
         self.transformer_2.enable_gradient_checkpointing()
@@ -65,13 +70,17 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
         parts = [(m, idx) for m, idx in parts if idx.numel()]
         if len(parts) == 1:
             return parts[0][0](
-                hidden_states, timestep, encoder_hidden_states, return_dict=False, **kw
+                hidden_states=hidden_states,
+                timestep=timestep,
+                encoder_hidden_states=encoder_hidden_states,
+                return_dict=False,
+                **kw,
             )
         outs = [
             m(
-                hidden_states[idx],
-                timestep[idx],
-                encoder_hidden_states[idx],
+                hidden_states=hidden_states[idx],
+                timestep=timestep[idx],
+                encoder_hidden_states=encoder_hidden_states[idx],
                 return_dict=False,
                 **kw,
             )[0]
@@ -96,9 +105,9 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
             take = idx if real else idx.new_zeros(1)
             outs.append(
                 m(
-                    hidden_states[take],
-                    timestep[take],
-                    encoder_hidden_states[take],
+                    hidden_states=hidden_states[take],
+                    timestep=timestep[take],
+                    encoder_hidden_states=encoder_hidden_states[take],
                     return_dict=False,
                     **kw,
                 )[0]

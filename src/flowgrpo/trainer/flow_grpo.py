@@ -56,6 +56,11 @@ class Run:
         self.grid_index, self.grid_cols = S.grid_layout(
             len(self.eval_set), cfg.data.eval_samples_per_prompt
         )
+        # the checkpoint holding the current weights (None: changed since), whether a rollout
+        # from them was finite, and where the run's checkpoints go (None: not training)
+        self.checkpoint: Path | None = None
+        self.rollout_ok = False
+        self.ckpt_root: Path | None = None
 
     def ema(self, on: bool = True) -> contextlib.AbstractContextManager:
         """EMA weights inside the block when EMA is on (and ``on``)."""
@@ -110,14 +115,34 @@ def rollout(
         )
         if not bool(torch.isfinite(traj.final_latents).all()):
             what = "eval rollout" if eval else f"rollout of step {step}"
-            raise TrainingDiverged(
-                f"training diverged: the {what} produced non-finite latents (the weights give "
-                "NaN/inf); the last good checkpoint is kept; lower optim.lr"
-            )
+            raise TrainingDiverged(diverged_message(run, what))
         if on_chunk is not None:
             on_chunk(traj, rows)
         parts.append(traj)
+    run.rollout_ok = True
+    if run.checkpoint is not None and run.dist.is_main:  # the checkpoint is a good one
+        from flowgrpo.engine.checkpoint import ROLLOUT_OK, mark_checkpoint
+
+        mark_checkpoint(run.checkpoint, ROLLOUT_OK)
     return Trajectory.cat(parts)
+
+
+def diverged_message(run: Run, what: str) -> str:
+    """The error line of a non-finite rollout. The checkpoint holding these weights (finite,
+    yet their rollout is not) is marked DIVERGED so that no resume takes it; the line names
+    the last checkpoint whose rollout was finite."""
+    from flowgrpo.engine.checkpoint import DIVERGED, mark_checkpoint, resume_advice
+
+    message = (
+        f"training diverged: the {what} produced non-finite latents (the weights give NaN/inf)"
+    )
+    if run.ckpt_root is None:  # sample / eval of a checkpoint
+        return f"{message}; lower optim.lr"
+    if run.checkpoint is not None:
+        if run.dist.is_main:
+            mark_checkpoint(run.checkpoint, DIVERGED)
+        message += f"; {run.checkpoint} holds these weights and is marked diverged"
+    return f"{message}; {resume_advice(run.ckpt_root)}"
 
 
 def score(
@@ -322,7 +347,15 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
 
 def run_training(cfg: Any) -> dict[str, Any]:
     """Train per ``cfg``; returns {"base": eval metrics, "final": eval metrics, "steps",
-    "samples", "wall_s", "output_dir", paths of the figures}."""
+    "samples", "wall_s", "output_dir", paths of the figures}. The run folder is locked while
+    it runs (``setup.lock_output_dir``), released however it ends."""
+    try:
+        return _run_training(cfg)
+    finally:
+        S.release_output_dir()
+
+
+def _run_training(cfg: Any) -> dict[str, Any]:
     wall0 = time.perf_counter()
     dist = D.init_distributed()
     D.seed_everything(cfg.seed, dist.rank)
@@ -332,12 +365,20 @@ def run_training(cfg: Any) -> dict[str, Any]:
     out = S.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
     run = Run(cfg, dist)
     ckpt_root = out / "checkpoints"
-    from flowgrpo.engine.checkpoint import load_checkpoint, run_id_of, save_checkpoint
+    from flowgrpo.engine.checkpoint import (
+        ROLLOUT_OK,
+        load_checkpoint,
+        mark_checkpoint,
+        run_id_of,
+        save_checkpoint,
+    )
 
     state: dict[str, Any] = {"step": 0, "samples": 0, "base_eval": None}
     resume_from = S.resolve_resume(tr.resume, ckpt_root)
+    run.ckpt_root = ckpt_root
     if resume_from is not None:
         _, extra = load_checkpoint(run.engine, resume_from)
+        run.checkpoint = resume_from
         state.update(extra or {})
         state.setdefault("run_id", run_id_of(resume_from))  # checkpoints from before run ids
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
@@ -368,6 +409,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
             resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
         )
     )
+    if run.engine.optim_changes:
+        logger.write(S.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
         t = time.perf_counter()
         state["base_eval"], grid = evaluate(run, "base eval")
@@ -380,6 +423,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
     while state["step"] < tr.max_steps:
         step = state["step"] + 1
         metrics = train_one_step(run, step)
+        run.checkpoint, run.rollout_ok = None, False  # new weights: not checked, not saved
         state.update(step=step, samples=state["samples"] + global_batch)
         state["sampler"] = run.sampler.state_dict()
         row = {"step": step, "samples": state["samples"], **metrics}
@@ -402,7 +446,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
         logger.log_step(row)
         if _due(step, tr.save_every, tr.max_steps):
             t = time.perf_counter()
-            save_checkpoint(
+            run.checkpoint = save_checkpoint(
                 run.engine,
                 ckpt_root,
                 step,
@@ -411,6 +455,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
                 run_id=state["run_id"],
             )
             checkpoint_s = time.perf_counter() - t
+            if run.rollout_ok and dist.is_main:  # this step's eval was finite: a good one
+                mark_checkpoint(run.checkpoint, ROLLOUT_OK)
     if final_eval is None:  # resumed at the end already: evaluate the final weights again
         final_eval, grid = evaluate(run, f"eval at step {state['step']}")
     summary: dict[str, Any] = {

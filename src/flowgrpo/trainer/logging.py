@@ -50,12 +50,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def truncate_jsonl(path: str | Path, max_step: int) -> None:
     """Keep only rows with ``step <= max_step`` (on resume: drop steps done after the last
-    complete checkpoint, which the resumed run will log again)."""
+    complete checkpoint, which the resumed run will log again); no row left: no file."""
     p = Path(path)
     if not p.exists():
         return
     rows = [r for r in read_jsonl(p) if int(r.get("step", 0)) <= max_step]
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if rows:
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        p.unlink()
 
 
 def deterministic_view(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -450,10 +453,13 @@ class RunLogger:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        truncate_jsonl(self.out_dir / "metrics.jsonl", start_step)
-        truncate_jsonl(self.out_dir / "eval.jsonl", start_step)
-        self._metrics = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        self._evals = open(self.out_dir / "eval.jsonl", "a")  # noqa: SIM115
+        # a run from step 0 logs its base eval again: rows of a run that stopped before its
+        # first checkpoint go (a resumed run keeps the rows up to its checkpoint's step)
+        keep = start_step if start_step > 0 else -1
+        truncate_jsonl(self.out_dir / "metrics.jsonl", keep)
+        truncate_jsonl(self.out_dir / "eval.jsonl", keep)
+        self._files: dict[str, Any] = {}  # opened at their first row: a run that fails
+        # before step 1 leaves no metrics.jsonl (which would mark the folder as a run's)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -494,8 +500,7 @@ class RunLogger:
         if not self.enabled:
             return
         row = {k: _jsonable(v) for k, v in metrics.items()}
-        self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()
+        self._append("metrics.jsonl", row)
         if int(row["step"]) % self.log_every == 0 or any(k.startswith("eval/") for k in row):
             self._scalars(row)
         if self._bar is not None:
@@ -526,8 +531,7 @@ class RunLogger:
         if not self.enabled:
             return
         row = {k: _jsonable(v) for k, v in metrics.items()}
-        self._evals.write(json.dumps(row) + "\n")
-        self._evals.flush()
+        self._append("eval.jsonl", row)
         if int(row.get("step", 0)) == 0:
             self._scalars(row)
 
@@ -606,6 +610,29 @@ class RunLogger:
                 path.write_bytes(gif)
                 self._wandb.log({tag: wandb_lib.Video(str(path), format="gif")}, step=step)
 
+    def _append(self, name: str, row: Mapping[str, Any]) -> None:
+        """One JSON line to ``name`` in the run folder, flushed (a killed run keeps it)."""
+        self.check_folder()
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(self.out_dir / name, "a")  # noqa: SIM115
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+    def check_folder(self) -> None:
+        """RunError when the run folder, or a log file in it, was deleted while the run goes
+        (its writes would vanish and the run would end as if all were well)."""
+        from flowgrpo.errors import RunError
+
+        gone = not self.out_dir.is_dir() or any(
+            os.fstat(f.fileno()).st_nlink == 0 for f in self._files.values()
+        )
+        if gone:
+            raise RunError(
+                f"run.output_dir {self.out_dir} (or a log file in it) was deleted while the run "
+                "was writing to it: its metrics are lost; start the run again"
+            )
+
     def write(self, text: str) -> None:
         """Print without breaking the progress bar."""
         if not self.enabled:
@@ -632,15 +659,20 @@ class RunLogger:
             self._bar = None
 
     def close(self) -> None:
+        """Close every output; RunError (``check_folder``) if the run folder went meanwhile."""
         if not self.enabled:
             return
-        for f in (self._metrics, self._evals):
-            f.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        self.close_progress()
+        try:
+            self.check_folder()
+        finally:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+            self.close_progress()
 
 
 def _wandb_mode(value: str | bool | None) -> str | None:

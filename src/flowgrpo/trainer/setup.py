@@ -5,6 +5,7 @@ streams, and the per-sample random generators that make every step a pure functi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +152,20 @@ def output_dir(cfg: Any) -> Path:
     return Path(cfg.run.output_dir)
 
 
-def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
-    """``run.output_dir``, created and checked writable (RunError naming it otherwise). A
-    fresh run with ``run.overwrite`` first deletes what an earlier run wrote there (the names
-    in ``RUN_OUTPUTS``, nothing else). Collective."""
-    import shutil
+#: inside the folders a run writes to, the names it writes (run.overwrite deletes these only)
+RUN_WRITES = {
+    "checkpoints": re.compile(r"step_\d+(\.tmp)?"),
+    "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
+    "wandb": re.compile(r"(offline-)?run-.+|latest-run|debug(-internal)?\.log|wandb-resume\.json"),
+}
+LOCK_FILE = ".flowgrpo.lock"
+_held_locks: list[Any] = []  # this process's open, locked lock files
 
-    from flowgrpo.config.validate import RUN_OUTPUTS
+
+def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
+    """``run.output_dir``, created, checked writable and locked for this run
+    (``lock_output_dir``; RunError naming it otherwise). A fresh run with ``run.overwrite``
+    first deletes what an earlier run wrote there (``remove_run_outputs``). Collective."""
     from flowgrpo.engine.dist import barrier
     from flowgrpo.errors import RunError
 
@@ -165,13 +173,9 @@ def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
     if dist.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
+            lock_output_dir(out)
             if fresh and cfg.run.overwrite:
-                for name in RUN_OUTPUTS:
-                    target = out / name
-                    if target.is_dir():
-                        shutil.rmtree(target)
-                    elif target.exists():
-                        target.unlink()
+                remove_run_outputs(out)
             probe = out / ".flowgrpo-write-test"
             probe.write_text("ok")
             probe.unlink()
@@ -184,6 +188,89 @@ def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
     return out
 
 
+def remove_run_outputs(out: Path) -> None:
+    """Delete what a run writes in ``out``: the files of ``RUN_OUTPUTS`` and, inside its
+    folders (checkpoints/, tensorboard/, wandb/), the names of ``RUN_WRITES`` only; a folder
+    left empty goes too. Anything else (a user's checkpoints/my_model.safetensors) stays."""
+    from flowgrpo.config.validate import RUN_OUTPUTS
+
+    for name in RUN_OUTPUTS:
+        target = out / name
+        pattern = RUN_WRITES.get(name)
+        if pattern is not None and target.is_dir() and not target.is_symlink():
+            for entry in target.iterdir():
+                if pattern.fullmatch(entry.name):
+                    _remove(entry)
+            if not any(target.iterdir()):
+                target.rmdir()
+        elif target.exists() or target.is_symlink():
+            _remove(target)
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def lock_output_dir(out: Path) -> None:
+    """Hold ``out/.flowgrpo.lock`` (an exclusive ``flock``) until ``release_output_dir``: a
+    second run into a folder that a live run holds is refused with a RunError naming the
+    holder. The system drops the lock when its process ends, so a killed run's lock never
+    blocks a resume. Rank 0 takes it for the whole run."""
+    import fcntl
+    import os
+    import socket
+    import warnings
+
+    from flowgrpo.errors import RunError
+
+    path = out / LOCK_FILE
+    while True:
+        f = open(path, "a+")  # noqa: SIM115 - held open for the run
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = " ".join(f.read().split()) or "another process"
+            f.close()
+            raise RunError(
+                f"run.output_dir {out} is in use by a running training run ({holder}): wait "
+                "for it to end or stop it, or choose another run.output_dir"
+            ) from None
+        except OSError as e:  # a file system without flock (some network mounts)
+            f.close()
+            warnings.warn(
+                f"cannot lock run.output_dir {out} ({e.strerror or e}): the run goes on "
+                "unlocked; do not start a second run into this folder meanwhile",
+                stacklevel=2,
+            )
+            return
+        try:  # a release may have removed the file between open and flock: lock the new one
+            same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _held_locks.append((path, f))
+
+
+def release_output_dir() -> None:
+    """Remove and unlock the run-folder locks this process holds (the end of a run)."""
+    while _held_locks:
+        path, f = _held_locks.pop()
+        path.unlink(missing_ok=True)  # still locked: no other run can hold it meanwhile
+        f.close()
+
+
 def new_run_id() -> str:
     """A random id shared by every rank: checkpoints carry it so that pruning only ever
     removes this run's own checkpoints. Collective."""
@@ -192,6 +279,16 @@ def new_run_id() -> str:
     from flowgrpo.engine.dist import all_gather_object
 
     return all_gather_object(uuid.uuid4().hex)[0]
+
+
+def optim_changes_line(changes: dict[str, tuple[Any, Any]], step: int) -> str:
+    """One line saying which optimizer settings a resume changed ({name: (old, new)})."""
+    what = ", ".join(f"optim.{k} {_short(a)} -> {_short(b)}" for k, (a, b) in changes.items())
+    return f"optimizer settings changed on resume, in effect from step {step}: {what}"
+
+
+def _short(v: Any) -> str:
+    return f"({', '.join(f'{x:g}' for x in v)})" if isinstance(v, tuple) else f"{v:g}"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
