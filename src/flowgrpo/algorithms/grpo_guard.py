@@ -44,9 +44,10 @@ class GRPOGuardConfig(FlowGRPOConfig):
         check=gt(0),
     )
     bias_reduce: str = setting(
-        "batch",
-        "The normalised ratio's mean shift: one number per micro-batch (`batch`, the authors' "
-        "code) or per sample (`sample`).",
+        "sample",
+        "The normalised ratio's mean shift: per sample (`sample`, what the authors intended: "
+        "flow_grpo issue #244) or one number per micro-batch (`batch`, legacy: their published "
+        "script).",
         check=one_of("batch", "sample"),
     )
 
