@@ -139,8 +139,8 @@ def test_batch_mode_matches_the_authors_lines_transcribed():
 
 def test_default_is_the_per_sample_bias_the_authors_intended():
     """The default reduces the bias per sample: the authors' corrected line (flow_grpo issue #244,
-    ``.mean(dim=tuple(range(1, prev_sample_mean.ndim)))``), verl-omni's
-    ``compute_policy_loss_grpo_guard``. Checked against that transcription and against the
+    ``.mean(dim=tuple(range(1, prev_sample_mean.ndim)))``), as verl-omni's ``grpo_guard`` loss
+    (diffusion_algos.py:532-538). Checked against that transcription and against the
     closed form log r~ = mean_d(eps * delta) of every sample, which the batch bias breaks."""
     x, v_old, eps = _tensors(seed=5)
     g = torch.Generator().manual_seed(6)

@@ -68,12 +68,14 @@ def window_at(cfg: Any, step: int) -> tuple[int, int]:
 
 def check_schedule(cfg: Any) -> None:
     """Every step's window (and Flash grid) of the run, before it starts: the window moves only
-    every ``shift_interval`` steps, so one check per position covers steps 1..max_steps. With
+    every ``shift_interval`` steps and takes at most N - 1 positions before it repeats (or stays),
+    so checking the first step of each of the first N moves covers steps 1..max_steps. With
     ``roll_back=false`` a window that reaches the end stays empty for the rest of the run:
     refused, since every later step would train nothing."""
     s, n, last = cfg.mix_grpo, cfg.sample.num_steps, cfg.trainer.max_steps
     nominal = torch.linspace(1.0, 0.0, n + 1, dtype=torch.float64)
-    for step in range(1, last + 1, s.shift_interval):
+    moves = min((last - 1) // s.shift_interval, n)
+    for step in (m * s.shift_interval + 1 for m in range(moves + 1)):
         start, end = window_at(cfg, step)
         if end > start and s.flash:
             flash_schedule(nominal, end, compress_ratio=s.compress_ratio, shift=s.flash_shift)
