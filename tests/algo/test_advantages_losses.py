@@ -41,6 +41,26 @@ def test_groups_of_one_get_zero_and_int_ids_work():
     torch.testing.assert_close(adv, adv_t)
 
 
+def test_equal_reward_groups_get_exactly_zero_advantage():
+    """A group whose rewards are all equal gets A = 0 exactly, also when the common value is not
+    representable in fp32 (its fp32 mean is then an ulp off: 0.1 x 12 / 12 != 0.1, which gave
+    advantages of ~5e-7 that an exact-zero filter kept). Swept over 99 values x 4 group sizes,
+    with a second group that has spread; the spread group's advantages equal the float64 ones."""
+    kept = 0
+    for k in (4, 12, 16, 24):
+        for i in range(1, 100):
+            r = torch.tensor([i / 100] * k + [0.0, 1.0])
+            ids = [0] * k + [1, 1]
+            for global_std in (True, False):
+                adv = group_advantages(r, ids, global_std=global_std)
+                kept += int((adv[:k] != 0).any())
+                r64 = r.double()
+                std = r64.std(unbiased=False) if global_std else torch.tensor(0.5, dtype=r64.dtype)
+                expected = torch.tensor([-0.5, 0.5], dtype=r64.dtype) / (std + 1e-4)
+                torch.testing.assert_close(adv[k:].double(), expected, rtol=1e-6, atol=1e-7)
+    assert kept == 0
+
+
 def test_combine_weighted_sum_and_advantage_aggregation_by_hand():
     rewards = {"a": torch.tensor([1.0, 0.0, 2.0, 4.0]), "b": torch.tensor([0.0, 10.0, 0.0, 4.0])}
     weights = {"a": 2.0, "b": 0.5}

@@ -91,10 +91,11 @@ def test_closed_form_sample_bias_is_mean_eps_delta_and_batch_bias_adds_a_spread_
     )
 
 
-def test_matches_the_authors_lines_transcribed():
-    """train_sd3_GRPO_Guard.py:909-932, verbatim in spirit: note that
-    ``.mean(dim=tuple(range(1, log_prob.ndim)))`` with a 1-D log_prob is ``dim=()``, a mean over
-    the whole micro-batch, so their bias is a scalar."""
+def test_batch_mode_matches_the_authors_lines_transcribed():
+    """``bias_reduce="batch"`` (legacy) is train_sd3_GRPO_Guard.py:909-932 (flow_grpo 2e2f712)
+    verbatim in spirit: ``.mean(dim=tuple(range(1, log_prob.ndim)))`` with a 1-D log_prob is
+    ``dim=()``, a mean over the whole micro-batch, so their bias is a scalar (the bug of
+    flow_grpo issue #244)."""
     x, v_old, eps = _tensors(seed=2)
     g = torch.Generator().manual_seed(3)
     v = v_old + 0.1 * torch.randn(v_old.shape, generator=g, dtype=v_old.dtype)
@@ -128,11 +129,54 @@ def test_matches_the_authors_lines_transcribed():
         adv,
         clip_range=clip_range,
         adv_clip_max=adv_clip_max,
+        bias_reduce="batch",
     )
     torch.testing.assert_close(loss, policy_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(metrics["ratio_mean"], ratio.mean(), rtol=1e-12, atol=0)
     plain = log_prob - old.log_prob
     torch.testing.assert_close(metrics["approx_kl_k2"], 0.5 * torch.mean(plain**2))
+
+
+def test_default_is_the_per_sample_bias_the_authors_intended():
+    """The default reduces the bias per sample: the authors' corrected line (flow_grpo issue #244,
+    ``.mean(dim=tuple(range(1, prev_sample_mean.ndim)))``), as verl-omni's ``grpo_guard`` loss
+    (diffusion_algos.py:532-538). Checked against that transcription and against the
+    closed form log r~ = mean_d(eps * delta) of every sample, which the batch bias breaks."""
+    x, v_old, eps = _tensors(seed=5)
+    g = torch.Generator().manual_seed(6)
+    drift = torch.randn(v_old.shape, generator=g, dtype=v_old.dtype)
+    v = v_old + 0.1 * drift * torch.tensor([0.2, 1.0, 3.0, 0.5], dtype=v_old.dtype).view(
+        -1, 1, 1, 1
+    )
+    sigma, sigma_next = 0.6, 0.45
+    x_next, old = _rollout(v_old, x, sigma, sigma_next, eps)
+    new = sde_step_with_logprob(v, x, sigma, sigma_next, noise_level=A_NOISE, prev_sample=x_next)
+    adv = torch.tensor([1.5, -0.5, 6.0, -2.0], dtype=torch.float64)
+    clip_range = 2e-6
+    # --- the authors' lines with the fix of issue #244 ---
+    std_dev_t = new.std_dev_t.view(-1, 1, 1, 1)
+    sqrt_dt = torch.full_like(std_dev_t, math.sqrt(sigma - sigma_next))
+    scale = sqrt_dt.mean() * std_dev_t.mean()
+    d2 = (new.prev_sample_mean - old.prev_sample_mean).pow(2)
+    bias = d2.mean(dim=tuple(range(1, d2.ndim))) / (2 * scale**2)
+    assert bias.shape == (4,)
+    ratio = torch.exp((new.log_prob - old.log_prob + bias) * scale)
+    a = torch.clamp(adv, -5.0, 5.0)
+    expected = torch.mean(
+        torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    ) / (sqrt_dt.mean() ** 2)
+    # ---
+    args = (*_pair(new, old), new.std_dev_t, sigma_next - sigma)
+    loss, metrics = grpo_guard_loss(*args, adv, clip_range=clip_range, adv_clip_max=5.0)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(metrics["ratio_mean"], ratio.mean(), rtol=1e-12, atol=0)
+    closed_form = (eps * (new.prev_sample_mean - old.prev_sample_mean)).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(normalized_log_ratio(*args), closed_form, rtol=0, atol=1e-12)
+    batch = normalized_log_ratio(*args, bias_reduce="batch")
+    assert (batch - closed_form).abs().max() > 1e-4  # the batch bias moves samples off it
+    from flowgrpo.algorithms.grpo_guard import GRPOGuardConfig
+
+    assert GRPOGuardConfig().bias_reduce == "sample"
 
 
 def test_normalized_log_ratio_has_zero_mean_under_the_policys_own_noise():
@@ -209,9 +253,9 @@ def test_hand_values_of_the_ratio_both_bias_reductions():
     log_prob, old = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])  # diff [0.5, -1]
     mean = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
     old_mean = torch.tensor([[0.0, 2.0], [0.0, 2.0]])
-    batch = normalized_log_ratio(log_prob, old, mean, old_mean, 0.5, -0.16)
+    batch = normalized_log_ratio(log_prob, old, mean, old_mean, 0.5, -0.16, bias_reduce="batch")
     torch.testing.assert_close(batch, torch.tensor([(0.5 + 15.625) * 0.2, (-1 + 15.625) * 0.2]))
-    sample = normalized_log_ratio(log_prob, old, mean, old_mean, 0.5, -0.16, bias_reduce="sample")
+    sample = normalized_log_ratio(log_prob, old, mean, old_mean, 0.5, -0.16)  # the default
     torch.testing.assert_close(sample, torch.tensor([(0.5 + 6.25) * 0.2, (-1 + 25.0) * 0.2]))
 
 

@@ -119,10 +119,19 @@ def test_flash_schedule_matches_the_authors_grid(window_end, ratio, post_steps):
     assert ours[-1] == 0 and bool((ours[1:] < ours[:-1]).all())
 
 
-def test_flash_schedule_refuses_a_tail_that_cannot_reach_zero():
+@pytest.mark.parametrize("n, window_end", [(25, 23), (10, 7), (10, 8)])
+def test_flash_schedule_with_a_one_point_tail_takes_one_step_to_zero(n, window_end):
+    """(N - L) * 0.4 < 2 leaves the authors' tail one point (sigma_L+1, no step to 0: the image
+    would keep its noise); the tail is then one step sigma_L+1 -> 0. (10, 7) is the toy's
+    MixGRPO-Flash window at step 31, which crashed the run."""
+    sigmas = _shift(torch.linspace(1, 0, n + 1, dtype=torch.float64))
+    assert int(max((n - (window_end - 1)) * 0.4, 1)) == 1
+    grid = flash_schedule(sigmas, window_end, compress_ratio=0.4, shift=3.0)
+    torch.testing.assert_close(grid, torch.cat([sigmas[: window_end + 1], sigmas.new_zeros(1)]))
+
+
+def test_flash_schedule_refuses_an_empty_window():
     sigmas = _shift(torch.linspace(1, 0, 26, dtype=torch.float64))
-    with pytest.raises(ValueError, match="would not reach sigma = 0"):
-        flash_schedule(sigmas, 23, compress_ratio=0.4, shift=3.0)  # (25 - 22) * 0.4 -> 1 point
     with pytest.raises(ValueError, match="window_end"):
         flash_schedule(sigmas, 0, compress_ratio=0.4, shift=3.0)  # an empty window at 0
 

@@ -87,12 +87,6 @@ def test_mix_grpo_window_follows_its_schedule(dist1):
     assert out["steps"].tolist() == [[0, 1]] * 4  # step 1: the window [0, 2)
 
 
-def test_mix_grpo_flash_trains_the_window_on_a_compressed_grid(dist1):
-    out = ar.run("mix_grpo", "toy", "full", **{"mix_grpo.flash": True, "sample.num_steps": 10,
-                                                   "mix_grpo.window_size": 2})  # fmt: skip
-    assert out["steps"].tolist() == [[0, 1]] * 4 and out["metrics"]["optimizer_steps"] == 1.0
-
-
 def test_nft_constant_reward_gives_no_gradient_at_the_old_policy(dist1):
     """At theta = old the NFT gradient is (2r - 1) c grad(flow matching) (docs/algorithms.md):
     constant rewards (A = 0, r = 1/2) give exactly none; the issue's "equals plain flow

@@ -170,3 +170,37 @@ def test_per_sample_generators_make_samples_batch_independent(sd3):
     assert (batch.log_probs[1] - alone.log_probs[0]).abs().max().item() <= 1e-5
     other = _sample(sd3, [PROMPTS[1]], generator=_gens([99]), sde_window=window)
     assert (other.final_latents - alone.final_latents).abs().max().item() > 1e-2
+
+
+def test_dpm2_ode_rollout_equals_the_solver_step_by_step(sd3):
+    """The DPM-Solver++ 2M path of an ODE rollout (DiffusionNFT's rollouts): every step is
+    ``dpm_solver_2m_step`` fed the previous step's x0 = x - sigma v (first order at the first
+    step and into sigma = 0), computed here by hand from the initial latents; it differs from
+    the Euler rollout of the same noise."""
+    from flowgrpo.algo.mix_grpo import dpm_solver_2m_step
+
+    steps, prompts = 6, PROMPTS[:2]
+    x0 = sd3.prepare_latents(2, H, W, torch.Generator().manual_seed(5))
+    dpm = _sample(sd3, prompts, num_steps=steps, noise_level=0.0, ode_solver="dpm2", latents=x0)
+    euler = _sample(sd3, prompts, num_steps=steps, noise_level=0.0, latents=x0)
+    sig = [float(s) for s in sd3.schedule(steps, H, W).sigmas]
+    x, hist = x0, None
+    with torch.no_grad():
+        for i in range(steps):
+            v = sd3.velocity(sd3.transformer, x, torch.full((2,), sig[i]), dpm.prompt_embeds,
+                             dpm.negative_embeds, height=H, width=W, guidance_scale=4.5)  # fmt: skip
+            kw = {} if hist is None else {"prev_x0": hist, "sigma_prev": sig[i - 1]}
+            x, hist = dpm_solver_2m_step(v, x, sig[i], sig[i + 1], **kw)
+    assert (dpm.final_latents - x).abs().max().item() <= 1e-6
+    assert (dpm.final_latents - euler.final_latents).abs().max().item() > 1e-3
+
+
+def test_init_generator_draws_the_initial_noise_and_generator_the_rest(sd3):
+    """``init_generator`` (sample.same_latent's per-group generators) draws the starting latents;
+    the per-sample ``generator`` still draws each sample's SDE noise."""
+    prompts = PROMPTS[:2]
+    same = _sample(sd3, prompts, init_generator=_gens([7, 7]), generator=_gens([1, 2]))
+    assert torch.equal(same.latents[0, 0], same.latents[1, 0])
+    ref = sd3.prepare_latents(1, H, W, torch.Generator().manual_seed(7))
+    assert torch.equal(same.latents[0, 0], ref[0].to(same.latents.dtype))
+    assert (same.final_latents[0] - same.final_latents[1]).abs().max().item() > 1e-3

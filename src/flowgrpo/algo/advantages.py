@@ -29,14 +29,18 @@ def group_advantages(
     """A_i = (r_i - mean of r over i's group) / (std + eps), [N] fp32.
 
     std is taken over all N rewards when ``global_std`` else over i's group (unbiased=False).
-    A group of one has A = 0 (its reward equals its group mean).
+    A group whose rewards are all equal (a group of one included) has A = 0 exactly: its fp32
+    mean can differ from the common value by an ulp (0.1 x 12 / 12 != 0.1), which would give
+    advantages of ~1e-7 / std that survive an exact-zero test.
     """
     r = rewards.detach().float().reshape(-1).cpu()
     idx = _group_index(group_ids, r.numel())
     n_groups = int(idx.max()) + 1 if idx.numel() else 0
     counts = torch.zeros(n_groups).index_add_(0, idx, torch.ones_like(r))
     means = torch.zeros(n_groups).index_add_(0, idx, r) / counts
-    centred = r - means[idx]
+    hi = torch.full((n_groups,), -float("inf")).scatter_reduce(0, idx, r, "amax")
+    lo = torch.full((n_groups,), float("inf")).scatter_reduce(0, idx, r, "amin")
+    centred = torch.where((hi == lo)[idx], torch.zeros_like(r), r - means[idx])
     if global_std:
         std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
     else:

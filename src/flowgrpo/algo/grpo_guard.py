@@ -51,7 +51,7 @@ def normalized_log_ratio(
     dt: float | torch.Tensor,
     *,
     sde_type: str = "sde",
-    bias_reduce: str = "batch",
+    bias_reduce: str = "sample",
 ) -> torch.Tensor:
     """log r̃ [B] = (log_prob − old_log_prob + bias) · s, s = std_dev_t · sqrt(−dt).
 
@@ -61,13 +61,15 @@ def normalized_log_ratio(
     std_dev_t: float or [B], the ``std_dev_t`` that ``sde_step_with_logprob`` returns (std_t,
     without sqrt(−dt)); dt: float or [B], sigma_next − sigma (< 0).
 
-    bias = mean(δ²) / (2 s²), δ = mean − old_mean (not detached). ``bias_reduce="batch"`` (the
-    default) reproduces the authors' code: they write ``.mean(dim=tuple(range(1,
-    log_prob.ndim)))`` with a 1-D log_prob, i.e. ``dim=()``, which torch reads as "all dims", so
-    their bias is ONE scalar, the mean of δ² over the micro-batch and all elements
-    (train_sd3_GRPO_Guard.py:917). ``"sample"`` takes mean_d(δ²) per sample, the form in which
-    log r̃ = mean_d(ε⊙δ) exactly (zero mean for every sample). Both agree at θ = old and in
-    their gradient there (the bias is quadratic in δ).
+    bias = mean(δ²) / (2 s²), δ = mean − old_mean (not detached). ``bias_reduce="sample"`` (the
+    default) takes mean_d(δ²) per sample: the form the authors intended (the first author's reply
+    in flow_grpo issue #244), verl-omni's (``diffusion_algos.py``) and Flow-Factory's, and the one
+    in which log r̃ = mean_d(ε⊙δ) exactly (zero mean for every sample). ``"batch"`` (legacy)
+    reproduces the published script: ``.mean(dim=tuple(range(1, log_prob.ndim)))`` with a 1-D
+    log_prob is ``dim=()``, which torch reads as "all dims", so its bias is ONE scalar, the mean
+    of δ² over the micro-batch and all elements (train_sd3_GRPO_Guard.py:917 at 2e2f712); a
+    sample's ratio then depends on the other samples of its micro-batch. Both agree at θ = old
+    and in their gradient there (the bias is quadratic in δ).
 
     s: the authors use one scalar per micro-batch, mean_b(sqrt(−dt))·mean_b(std_dev_t) (all
     their samples share one step); here s is per sample, which is the same when the step is
@@ -123,7 +125,7 @@ def grpo_guard_loss(
     clip_range: float,
     adv_clip_max: float,
     sde_type: str = "sde",
-    bias_reduce: str = "batch",
+    bias_reduce: str = "sample",
     kl_beta: float = 0.0,
     ref_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -66,6 +66,17 @@ def sde_window_at(
     return start, min(start + window_size, last)
 
 
+def time_shift_grid(num_steps: int, shift: float) -> torch.Tensor:
+    """The fixed-shift grid the MixGRPO authors sample on: sigma = s·t / (1 + (s − 1)·t) at
+    t = linspace(1, 0, N + 1) (``sd3_time_shift(3, ...)``, sampling_utils.py:18-20, 25 steps),
+    [N + 1] fp64 from 1 to 0. FLUX's pipeline instead shifts by a resolution-dependent mu
+    (1.88 at 512²), so each window position would train different noise levels."""
+    if num_steps < 1 or shift <= 0:
+        raise ValueError(f"need num_steps >= 1 and shift > 0, got {num_steps}, {shift}")
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def flash_schedule(
     sigmas: torch.Tensor,
     window_end: int,
@@ -85,9 +96,11 @@ def flash_schedule(
 
     The authors take t_L+1 = linspace(1, 0, N + 1)[L + 1], i.e. they assume the grid is
     shift(linspace(1, 0, N + 1)) (their FLUX grid); here t_L+1 = shift⁻¹(sigma_L+1), which is
-    the same on that grid and stays continuous on any shifted grid. n < 2 (a late window with
-    a small ratio) raises: the authors' tail would then stop at sigma_L+1 > 0. An empty window
-    (their code crashes on it) has no Flash tail: sample it with Euler.
+    the same on that grid and stays continuous on any shifted grid. A late window with a small
+    ratio leaves n = 1 (e.g. the window ending at 7 of 10 at ratio 0.4): the authors' tail would
+    then be the single point sigma_L+1 and their image would keep that noise; here the tail is
+    then [sigma_L+1, 0], one (first-order, i.e. Euler) step to 0. An empty window (their code
+    crashes on it) has no Flash tail: sample it with Euler.
     Defaults: compress_ratio 0.4 (MixGRPO-Flash), 0.2 (Flash*), shift 3 (FLUX, 25 steps).
     """
     sig = torch.as_tensor(sigmas, dtype=torch.float64).reshape(-1)
@@ -98,11 +111,7 @@ def flash_schedule(
         raise ValueError(f"compress_ratio and shift must be > 0, got {compress_ratio}, {shift}")
     last = window_end - 1
     n_post = int(max((n_steps - last) * compress_ratio, 1))  # sampling_utils.py:44
-    if n_post < 2:
-        raise ValueError(
-            f"compress_ratio {compress_ratio} leaves {n_post} point after a window ending at "
-            f"step {window_end} of {n_steps}: the grid would not reach sigma = 0"
-        )
+    n_post = max(n_post, 2)  # one point would stop at sigma_L+1 > 0: one step to 0 instead
     s_start = float(sig[last + 1])
     t_start = s_start / (shift - (shift - 1) * s_start)  # inverse of the shift
     t_post = torch.linspace(t_start, 0.0, n_post, dtype=torch.float64)

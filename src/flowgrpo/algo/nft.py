@@ -90,7 +90,7 @@ def nft_loss(
     v_ref: torch.Tensor | None = None,
     weight_min: float = 1e-5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DiffusionNFT loss on one micro-batch at one noise level (train_nft_sd3.py:872-960).
+    """The DiffusionNFT loss on one micro-batch at one noise level (train_nft_sd3.py:872-978).
 
     v_theta: current policy's velocity at x_t [B, ...] (the only input that gets a gradient);
     v_old: old policy's velocity [B, ...] (detached here, as the authors compute it under
@@ -127,13 +127,13 @@ def nft_loss(
     r = r.detach().to(compute)
     dims = tuple(range(1, x0.ndim))
 
-    # Implicit positive and negative policies around the old one (:918-922).
+    # Implicit positive and negative policies around the old one (:934-937).
     v_pos = beta * v + (1 - beta) * v_old
     v_neg = (1.0 + beta) * v_old - beta * v
     x0_pos = x_t - t * v_pos
     x0_neg = x_t - t * v_neg
 
-    # Adaptive weights: the detached mean absolute x0 error, in float64 (:925-944). Dividing an
+    # Adaptive weights: the detached mean absolute x0 error, in float64 (:939-957). Dividing an
     # fp32 tensor by them promotes the per-sample losses to float64, as in the authors' code.
     with torch.no_grad():
         w_pos = (x0_pos.double() - x0.double()).abs().mean(dim=dims, keepdim=True)
@@ -142,11 +142,11 @@ def nft_loss(
     loss_pos = ((x0_pos - x0) ** 2 / w_pos).mean(dim=dims)
     loss_neg = ((x0_neg - x0) ** 2 / w_neg).mean(dim=dims)
 
-    per_sample = r * loss_pos / beta + (1.0 - r) * loss_neg / beta  # :946
-    policy_loss = (per_sample * adv_clip_max).mean()  # :947
+    per_sample = r * loss_pos / beta + (1.0 - r) * loss_neg / beta  # :959
+    policy_loss = (per_sample * adv_clip_max).mean()  # :960
     loss = policy_loss
     if v_ref is not None:
-        kl_div = ((v - v_ref.detach().to(compute)) ** 2).mean(dim=dims).mean()  # :953-957
+        kl_div = ((v - v_ref.detach().to(compute)) ** 2).mean(dim=dims).mean()  # :966-970
         if kl_beta > 0:
             loss = loss + kl_beta * kl_div
     loss = loss.to(compute)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from flowgrpo.algo.mix_grpo import time_shift_grid
 from flowgrpo.rollout import SDEWindow, Trajectory
 from flowgrpo.settings import ge, setting
 
@@ -69,16 +70,29 @@ class Algorithm(ABC):
         self.cfg, self.engine, self.adapter = cfg, engine, adapter
         self.settings = getattr(cfg, self.name)
 
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Refuse (one-line ConfigError) settings of the whole config that this algorithm would
+        otherwise ignore or cannot run; called by ``Config.check`` before anything loads."""
+        return None
+
     @staticmethod
     def needs_reference(settings: Any) -> bool:
         """Whether the update reads a reference policy (a KL term): a full fine-tune then keeps
         a frozen copy of the initial weights."""
         return getattr(settings, "kl_beta", 0.0) > 0
 
+    @classmethod
+    def eval_guidance_scale(cls, cfg: Any) -> float:
+        """The eval guidance when ``sample.eval_guidance_scale`` is null: the rollouts'."""
+        return cfg.sample.guidance_scale
+
     def rollout_plan(self, step: int) -> RolloutPlan:
-        """The training rollout of ``step`` (1-based): the sample section as it is."""
+        """The training rollout of ``step`` (1-based): the sample section as it is (on the
+        fixed-shift grid with ``sample.time_shift``)."""
         s = self.cfg.sample
         window = SDEWindow(s.window_size, s.window_lo, s.window_hi) if s.window_size > 0 else None
+        grid = None if s.time_shift is None else time_shift_grid(s.num_steps, s.time_shift)
         return RolloutPlan(
             num_steps=s.num_steps,
             guidance_scale=s.guidance_scale,
@@ -87,6 +101,7 @@ class Algorithm(ABC):
             sde_window=window,
             timestep_fraction=s.timestep_fraction,
             deterministic_last_step=s.deterministic_last_step,
+            sigmas=None if grid is None else grid.float(),
         )
 
     def rollout_weights(self) -> contextlib.AbstractContextManager:

@@ -18,7 +18,7 @@ from flowgrpo.algo.grpo_guard import grpo_guard_loss
 from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from flowgrpo.rollout import Trajectory
-from flowgrpo.settings import gt, one_of, setting
+from flowgrpo.settings import gt, need, one_of, setting
 
 KEYS = (
     "loss",
@@ -44,15 +44,21 @@ class GRPOGuardConfig(FlowGRPOConfig):
         check=gt(0),
     )
     bias_reduce: str = setting(
-        "batch",
-        "The normalised ratio's mean shift: one number per micro-batch (`batch`, the authors' "
-        "code) or per sample (`sample`).",
+        "sample",
+        "The normalised ratio's mean shift: per sample (`sample`, what the authors intended: "
+        "flow_grpo issue #244) or one number per micro-batch (`batch`, legacy: their published "
+        "script).",
         check=one_of("batch", "sample"),
     )
 
 
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:  # noqa: D102 - its normalised ratio is the 'sde' step's
+        s = cfg.sample
+        need(s.sde_type == "sde", "sample.sde_type", "'sde' with algorithm=grpo_guard", s.sde_type)
 
     def rollout_plan(self, step: int) -> RolloutPlan:
         plan = super().rollout_plan(step)

@@ -20,7 +20,7 @@ import torch
 from flowgrpo.algo.nft import forward_noising, nft_loss, old_policy_decay, optimality_probability
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
 from flowgrpo.rollout import Trajectory
-from flowgrpo.settings import ge, gt, one_of, optional, setting
+from flowgrpo.settings import ge, gt, need, one_of, optional, setting
 
 KEYS = ("loss", "policy_loss", "unweighted_policy_loss", "old_deviate", "kl")
 NOISE_SALT = 0x4E_F7  # the stream of the training noise, apart from the rollout's
@@ -69,6 +69,36 @@ class NFTConfig:
 
 class DiffusionNFT(Algorithm):
     name = "nft"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse the sample settings NFT's deterministic old-policy rollouts cannot honour:
+        the SDE window, ``timestep_fraction`` (``nft.timesteps`` picks the trained noise
+        levels), the SDE type (no SDE step is taken) and EMA rollouts (the old policy samples)."""
+        s = cfg.sample
+        why = "with algorithm=nft (its rollouts are ODE"
+        need(s.window_size == 0, "sample.window_size", f"0 {why}: no SDE window)", s.window_size)
+        need(
+            s.timestep_fraction == 1.0,
+            "sample.timestep_fraction",
+            "1 with algorithm=nft (nft.timesteps sets the noise levels trained)",
+            s.timestep_fraction,
+        )
+        need(
+            s.sde_type == "sde", "sample.sde_type", f"left at 'sde' {why}: no SDE step)", s.sde_type
+        )
+        need(
+            not s.use_ema_for_rollout,
+            "sample.use_ema_for_rollout",
+            "false with algorithm=nft (its rollouts sample with the old policy)",
+            s.use_ema_for_rollout,
+        )
+
+    @classmethod
+    def eval_guidance_scale(cls, cfg) -> float:
+        """NFT trains a guidance-free policy, and its authors evaluate it at guidance 1.0: eval
+        runs at ``nft.guidance_scale`` unless ``sample.eval_guidance_scale`` says otherwise."""
+        return cfg.nft.guidance_scale
 
     def __init__(self, cfg, engine, adapter) -> None:
         super().__init__(cfg, engine, adapter)

@@ -21,6 +21,7 @@ from typing import Any, Union
 
 import yaml
 
+from flowgrpo.algorithms import ALGORITHMS, algorithm_class
 from flowgrpo.config.schema import DEFAULT_PRESET, Config
 from flowgrpo.config.validate import validate
 from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
@@ -369,13 +370,60 @@ def preset_dict(name: str, _seen: tuple[str, ...] = (), _via: str = "") -> tuple
     return data, label
 
 
+OVERLAYS = "algorithms"  # a preset's per-algorithm values of the shared sections
+
+
+def _algorithm_overlays(raw: Any, origin: str) -> dict[str, dict]:
+    """A preset's ``algorithms: {NAME: {section: {...}}}``, checked whole (every algorithm's
+    keys and types, not only the selected one's): values of the shared sections that apply
+    when ``algorithm=NAME`` is chosen."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"config key {OVERLAYS!r} in {origin} must map algorithm names to sections, got "
+            f"{_show(raw)}"
+        )
+    out = {}
+    for name, body in raw.items():
+        if name not in ALGORITHMS:
+            guess = difflib.get_close_matches(str(name), ALGORITHMS, n=1, cutoff=0.6)
+            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            raise ConfigError(
+                f"unknown algorithm {name!r} under {OVERLAYS!r} in {origin} ({hint}one of "
+                f"{', '.join(ALGORITHMS)})"
+            )
+        where = f"{origin} ({OVERLAYS}.{name})"
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"config key '{OVERLAYS}.{name}' in {origin} must be a mapping")
+        for key in ("algorithm", OVERLAYS, "preset"):
+            if key in body:
+                raise ConfigError(f"config key {key!r} cannot be set per algorithm in {where}")
+        apply_mapping(Config(), body, "", where)  # unknown keys and wrong types, named
+        out[str(name)] = dict(body)
+    return out
+
+
+def _chosen_algorithm(overrides: list[str]) -> str | None:
+    """The algorithm the overrides select (the last ``algorithm=X``), if any."""
+    chosen = None
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        if sep and key.strip() == "algorithm":
+            value = _parse_value(raw)
+            chosen = value if isinstance(value, str) else None
+    return chosen
+
+
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the derived values, once, where they live: ``eval_guidance_scale`` null ->
-    ``guidance_scale``; ``fsdp.param_dtype`` auto -> ``model.dtype`` when that is explicit;
+    the algorithm's (``guidance_scale``; nft: ``nft.guidance_scale``); ``fsdp.param_dtype`` auto -> ``model.dtype`` when that is explicit;
     a cosine schedule's ``optim.total_steps`` 0 -> ``trainer.max_steps`` x
     ``update.num_minibatches``; ``{preset}`` in ``run.output_dir`` -> the preset name."""
     if cfg.sample.eval_guidance_scale is None:
-        cfg.sample.eval_guidance_scale = cfg.sample.guidance_scale
+        known = cfg.algorithm in ALGORITHMS  # else validation names the unknown algorithm
+        algo = algorithm_class(cfg.algorithm if known else "flow_grpo")
+        cfg.sample.eval_guidance_scale = algo.eval_guidance_scale(cfg)
     if cfg.fsdp.param_dtype == "auto" and cfg.model.dtype != "auto":
         cfg.fsdp.param_dtype = cfg.model.dtype
     o = cfg.optim
@@ -393,17 +441,24 @@ def load_config(
     check_paths: bool = True,
     command: str = "train",
 ) -> Config:
-    """Defaults <- preset (name or YAML path; default ``toy-digits``) <- overrides, validated.
+    """Defaults <- preset (name or YAML path; default ``toy-digits``) <- the preset's
+    ``algorithms.<chosen algorithm>`` values <- overrides, validated.
 
     ``check_paths=False`` skips the checks that need the files (model.path required/existing,
     prompt files readable): ``flowgrpo config show`` and ``--help`` use it. ``command``
     ("train", "eval", "sample", "export") limits those checks to what the command reads.
     """
     data, label = preset_dict(preset or DEFAULT_PRESET)
+    origin = label if Path(label).suffix else f"preset {label!r}"
+    overlays = _algorithm_overlays(data.pop(OVERLAYS, None), origin)
     cfg = Config()
-    apply_mapping(cfg, data, "", label if Path(label).suffix else f"preset {label!r}")
+    apply_mapping(cfg, data, "", origin)
     if cfg.preset is None:
         cfg.preset = label
+    overrides = list(overrides)
+    chosen = _chosen_algorithm(overrides) or cfg.algorithm
+    if chosen in overlays:  # the preset's values for this algorithm; the overrides still win
+        apply_mapping(cfg, overlays[chosen], "", f"{origin} ({OVERLAYS}.{chosen})")
     for text in overrides:
         apply_override(cfg, text)
     resolve_defaults(cfg)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
-from flowgrpo.algorithms import ALGORITHMS
+from flowgrpo.algorithms import ALGORITHMS, algorithm_class
 from flowgrpo.algorithms.base import UpdateConfig
 from flowgrpo.algorithms.flow_grpo import FlowGRPOConfig
 from flowgrpo.algorithms.grpo_guard import GRPOGuardConfig
@@ -26,6 +26,7 @@ from flowgrpo.settings import (
     ConfigError,
     between,
     ge,
+    gt,
     need,
     one_of,
     optional,
@@ -94,7 +95,10 @@ class SampleConfig:
         check=ge(0, " (1 = no CFG)"),
     )
     eval_guidance_scale: float | None = setting(
-        None, "CFG scale of eval; null = `guidance_scale`.", check=optional(ge(0))
+        None,
+        "CFG scale of eval; null = `guidance_scale` (algorithm=nft: `nft.guidance_scale`, the "
+        "guidance-free policy it trains).",
+        check=optional(ge(0)),
     )
     noise_level: float = setting(
         0.7,
@@ -136,6 +140,20 @@ class SampleConfig:
     negative_prompt: str = setting("", 'Negative prompt for CFG (Qwen-Image uses " ").')
     use_ema_for_rollout: bool = setting(
         False, "Sample rollouts with the EMA weights (needs `ema.enabled`)."
+    )
+    same_latent: bool = setting(
+        False,
+        "Every sample of a group starts training rollouts from the same initial noise (drawn "
+        "from the group's seed): the group shares its ODE path up to its first SDE step, so "
+        "its reward differences come from the SDE noise alone (MixGRPO's --init_same_noise, "
+        "flow_grpo's sample.same_latent).",
+    )
+    time_shift: float | None = setting(
+        None,
+        "Training rollouts on the fixed grid sigma = s t / (1 + (s - 1) t), t = linspace(1, 0, "
+        "N + 1) with this s (MixGRPO's sd3_time_shift, 3); null = the pipeline's own schedule "
+        "(FLUX / Qwen-Image: a resolution-dependent shift). Eval keeps the pipeline's.",
+        check=optional(gt(0)),
     )
 
     def stochastic_steps(self) -> int:
@@ -342,16 +360,7 @@ class Config:
         if self.sample.use_ema_for_rollout:
             e = self.ema.enabled
             need(e, "ema.enabled", "true with sample.use_ema_for_rollout=true", e)
-        s = self.sample
-        if self.algorithm == "grpo_guard":  # its normalised ratio is the 'sde' step's
-            need(
-                s.sde_type == "sde",
-                "sample.sde_type",
-                "'sde' with algorithm=grpo_guard",
-                s.sde_type,
-            )
-        if self.algorithm == "mix_grpo":  # its window ends before the last two steps
-            need(s.num_steps >= 3, "sample.num_steps", ">= 3 with algorithm=mix_grpo", s.num_steps)
+        algorithm_class(self.algorithm).check_config(self)  # what the algorithm cannot honour
 
 
 __all__ = [

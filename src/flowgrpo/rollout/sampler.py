@@ -270,6 +270,7 @@ def sample_trajectories(
     sigmas: torch.Tensor | None = None,
     ode_solver: str = "euler",
     record_means: bool = False,
+    init_generator: Generators = None,
 ) -> Trajectory:
     """Generate B = len(prompts) images (videos of ``num_frames`` frames for video adapters,
     whose default applies when None) and record the K trained SDE steps of each.
@@ -281,7 +282,9 @@ def sample_trajectories(
     tail; every step of an ODE rollout). ``sigmas`` [N + 1] replaces the pipeline's schedule
     (then N is its length - 1). ``record_means`` keeps each trained step's Gaussian mean
     (``Trajectory.means``, the old policy's, for GRPO-Guard). ``generator`` may be a list with
-    one generator per sample: a sample is then reproducible in any batch.
+    one generator per sample: a sample is then reproducible in any batch. ``init_generator``
+    (default: ``generator``) draws the initial latents when ``latents`` is None: one generator
+    per group seed gives every sample of a group the same starting noise (``sample.same_latent``).
     """
     if ode_solver not in ("euler", "dpm2"):
         raise ValueError(f"ode_solver must be 'euler' or 'dpm2', got {ode_solver!r}")
@@ -301,7 +304,8 @@ def sample_trajectories(
         timesteps = sigmas[:-1] * adapter.pipe.scheduler.config.num_train_timesteps
     sigma_max = float(sigmas[1]) if len(sigmas) > 2 else float(sigmas[0])
     if latents is None:
-        latents = adapter.prepare_latents(batch, height, width, generator, **video)
+        init = generator if init_generator is None else init_generator
+        latents = adapter.prepare_latents(batch, height, width, init, **video)
     # trajectories are fp32 (fp64 stays fp64) whatever the transformer's dtype: a bf16 latent
     # would make the training pass recompute a different log-prob than the rollout drew
     latents = latents.to(adapter.device, torch.promote_types(latents.dtype, torch.float32))

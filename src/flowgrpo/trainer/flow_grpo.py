@@ -80,11 +80,13 @@ def rollout(
     *,
     eval: bool = False,
     on_chunk: Callable[[Trajectory, slice], None] | None = None,
+    groups: list[int] | None = None,
 ) -> Trajectory:
     """Sample ``prompts`` in chunks of ``sample.rollout_batch_size``; sample i's noise comes
-    from (seed, step, indices[i]). Training: as the algorithm's ``rollout_plan(step)`` says;
-    eval: ODE with the eval steps/guidance. ``on_chunk(traj, rows)`` is called as each chunk
-    finishes (async reward scoring)."""
+    from (seed, step, indices[i]), its initial noise from its group ``groups[i]`` instead with
+    ``sample.same_latent``. Training: as the algorithm's ``rollout_plan(step)`` says; eval: ODE
+    with the eval steps/guidance. ``on_chunk(traj, rows)`` is called as each chunk finishes
+    (async reward scoring)."""
     s, m, parts = run.cfg.sample, run.cfg.model, []
     if eval:
         plan = RolloutPlan(
@@ -104,6 +106,9 @@ def rollout(
     for lo in range(0, len(prompts), chunk):
         rows = slice(lo, lo + chunk)
         gens = S.generators(run.cfg.seed, step, indices[rows], run.dist.device)
+        init = None
+        if not eval and s.same_latent:
+            init = S.group_generators(run.cfg.seed, step, groups[rows], run.dist.device)
         traj = sample_trajectories(
             run.adapter,
             prompts[rows],
@@ -111,6 +116,7 @@ def rollout(
             width=m.width,
             generator=gens,
             negative_prompts=[s.negative_prompt] * len(gens) if s.negative_prompt else None,
+            init_generator=init,
             **plan.sampler_kwargs(),
         )
         if not bool(torch.isfinite(traj.final_latents).all()):
@@ -152,17 +158,19 @@ def score(
     indices: list[int],
     step: int,
     locations: list[str],
+    groups: list[int] | None = None,
 ):
-    """Rollout + rewards of this rank's samples -> (trajectory, {name: [n]}, reward seconds).
+    """Rollout + rewards of this rank's samples (of groups ``groups``) -> (trajectory,
+    {name: [n]}, reward seconds).
     With ``advantage.async_reward`` chunks are scored in a thread while the next one samples.
     A failing reward is a RunError naming the reward and, when only some samples fail, the
     first failing sample's prompt-file line (``locations``)."""
     if run.engine.sp_rank:  # an SP group's other ranks sample alike but do not score
         with run.algorithm.rollout_weights():
-            return rollout(run, prompts, indices, step), None, 0.0
+            return rollout(run, prompts, indices, step, groups=groups), None, 0.0
     with run.algorithm.rollout_weights():
         if not run.cfg.advantage.async_reward:
-            traj = rollout(run, prompts, indices, step)
+            traj = rollout(run, prompts, indices, step, groups=groups)
             t = time.perf_counter()
             with reward_failures(
                 run.reward, traj.images, prompts, metadata, locations, f"step {step}"
@@ -176,6 +184,7 @@ def score(
                 prompts,
                 indices,
                 step,
+                groups=groups,
                 on_chunk=lambda tr, rows: futures.append(
                     scorer.submit(tr.images, prompts[rows], metadata[rows])
                 ),
@@ -244,7 +253,8 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     mine = list(range(start, start + count))  # this rank's global sample numbers
     prompts, metadata = run.train_data.select(indices[start : start + count])
     locations = [run.train_data.locations[i] for i in indices[start : start + count]]
-    traj, local, reward_s = score(run, prompts, metadata, mine, step, locations)
+    mine_groups = groups[start : start + count]
+    traj, local, reward_s = score(run, prompts, metadata, mine, step, locations, mine_groups)
     t2 = time.perf_counter()
     rewards = gather_rewards(run, local)
     group_ids = torch.tensor(groups)

@@ -15,6 +15,7 @@ from flowgrpo.engine.dist import DistInfo
 
 EVAL_SALT = 0x5EED_E7A1  # stream of the fixed eval noise (independent of the step)
 SAMPLE_SALT = 0x5A4D_91E0  # stream of `flowgrpo sample`
+GROUP_SALT = 0x6E0_0000_0000  # per-group streams (sample.same_latent), apart from sample indices
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +40,14 @@ def generators(
         g.manual_seed(sample_seed(seed, step, i))
         out.append(g)
     return out
+
+
+def group_generators(
+    seed: int, step: int, groups: list[int], device: torch.device | str
+) -> list[torch.Generator]:
+    """One generator per sample, seeded from (seed, step, the sample's group): every sample of a
+    group draws the same initial noise, whatever the batch, the rank or a resume."""
+    return generators(seed, step, [GROUP_SALT + int(g) for g in groups], device)
 
 
 def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
