@@ -36,10 +36,20 @@ def test_config_show_marks_preset_values_with_their_citation(capsys):
     assert line_of(text, "deterministic_last_step:").endswith(
         "the (untrained) last step; we keep it deterministic: see docs/flow_grpo_math.md"
     )
-    assert "clip 2e-6, no KL" in line_of(text, "grpo_guard:")
+    assert "flow_grpo @ 2e2f712 config/grpo_guard.py" in line_of(text, "grpo_guard:")
     assert line_of(text, "bias_reduce:").endswith("# preset sd3-ocr: see grpo_guard")
     data = yaml.safe_load(text)  # still the effective config, as YAML
     assert data["sample"]["group_size"] == 8 and data["model"]["max_sequence_length"] == 128
+
+
+def test_config_show_attributes_the_chosen_algorithms_preset_values(capsys):
+    text = show(capsys, "sd3-ocr", "algorithm=mix_grpo")
+    assert line_of(text, "num_steps:").startswith(
+        "  num_steps: 25  # preset sd3-ocr, algorithms.mix_grpo"
+    )
+    assert line_of(text, "same_latent:").startswith(
+        "  same_latent: true  # preset sd3-ocr, algorithms.mix_grpo"
+    )
 
 
 def test_every_shipped_preset_value_is_attributed(capsys):
@@ -49,6 +59,8 @@ def test_every_shipped_preset_value_is_attributed(capsys):
         _, origins = value_origins(name, [])
         data, _ = preset_dict(name)
         for section, values in data.items():
+            if section == "algorithms":  # per-algorithm values: attributed when chosen
+                continue
             keys = values if isinstance(values, dict) and section != "reward" else {None: 0}
             for key in keys:
                 full = section if key is None else f"{section}.{key}"

@@ -209,10 +209,17 @@ def value_origins(preset: str | None, overrides: list[str]) -> tuple[list[str], 
     """(the preset's header lines, {dotted key: where its value came from}): "command line"
     for an override, "preset NAME" and the preset file's comment (its citation) for a value
     the preset sets (or its ``base``); keys left at the default are not listed."""
-    from flowgrpo.config.loader import DEFAULT_PRESET, _looks_like_path, preset_dict
+    from flowgrpo.config.loader import (
+        DEFAULT_PRESET,
+        OVERLAYS,
+        _chosen_algorithm,
+        _looks_like_path,
+        preset_dict,
+    )
 
     name = preset or DEFAULT_PRESET
     data, label = preset_dict(name)
+    overlays = data.pop(OVERLAYS, None) or {}
     text, _ = _preset_text(name)
     header, notes = preset_notes(text)
     base = yaml.safe_load(text).get("base") if text.strip() else None
@@ -224,6 +231,11 @@ def value_origins(preset: str | None, overrides: list[str]) -> tuple[list[str], 
         note = notes.get(key)
         if note or not is_section:  # a section line is marked only when it has a note
             origins[key] = f"preset {label}" + (f": {note}" if note else "")
+    chosen = _chosen_algorithm(overrides) or data.get("algorithm", "flow_grpo")
+    for key, is_section in sorted(_flat_keys(overlays.get(chosen) or {}).items()):
+        if not is_section:  # the preset's value for the chosen algorithm, with its citation
+            note = notes.get(f"{OVERLAYS}.{chosen}.{key}") or notes.get(f"{OVERLAYS}.{chosen}")
+            origins[key] = f"preset {label}, {OVERLAYS}.{chosen}" + (f": {note}" if note else "")
     for text in overrides:
         key = text.split("=", 1)[0].strip()
         origins[key] = "command line"
