@@ -45,6 +45,7 @@ class Run:
         self.reward = S.build_rewards(cfg.reward)
         self.eval_reward = S.build_rewards(cfg.eval_reward)  # eval only, the whole set at once
         self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
+        S.prepare_prompt_cache(cfg, self.adapter, dist, [self.train_data, self.eval_set])
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
         self.grid_index, self.grid_cols = S.grid_layout(
             len(self.eval_set), cfg.data.eval_samples_per_prompt
