@@ -58,6 +58,11 @@ def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path):
             load_config("toy-digits", [*SMALL, f"run.output_dir={again}", *extra])
         )
         assert seen["cache"].misses == 0  # the second run encodes nothing
+        # `flowgrpo sample` prompts are cached before the text encoder is freed
+        out = tmp_path / "sample-run"
+        cfg = load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra], command="sample")
+        files = flow_grpo.run_sample(cfg, None, ["the digit seven"], tmp_path / "samples")
+        assert len(files) == 1 and seen["pipe"].text_encoder is None
     finally:
         flow_grpo.S.prepare_prompt_cache = real_prepare
     a, b = read_jsonl(plain / "metrics.jsonl"), read_jsonl(cached / "metrics.jsonl")

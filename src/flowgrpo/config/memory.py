@@ -245,6 +245,13 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     configs = read_model_configs(str(cfg.model.path))
     index = configs["model_index"]
     pipeline = str(index.get("_class_name", ""))
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES
+
+    if pipeline not in SUPPORTED_PIPELINES:
+        raise ValueError(
+            f"model.path '{cfg.model.path}' holds an unsupported pipeline {pipeline!r}; "
+            f"supported: {', '.join(SUPPORTED_PIPELINES)}"
+        )
     fs, m = cfg.fsdp, cfg.model
     if gpus % (fs.replicate_degree * fs.sp_degree):
         raise ValueError(
@@ -265,12 +272,8 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
         if targets is None:
             from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
 
-            adapter_cls = (
-                import_adapter(SUPPORTED_PIPELINES.get(pipeline, ":"))
-                if pipeline in SUPPORTED_PIPELINES
-                else None
-            )
-            targets = list(getattr(adapter_cls, "lora_target_modules", ()))
+            adapter_cls = import_adapter(SUPPORTED_PIPELINES[pipeline])
+            targets = list(adapter_cls.lora_target_modules)
         shapes.append(transformer_shape(model, targets, cfg.lora.rank))
     n_params = sum(s.params for s in shapes)
     n_buffers = sum(s.buffers for s in shapes)  # whole on every rank (FSDP shards parameters)

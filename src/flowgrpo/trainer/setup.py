@@ -72,9 +72,11 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     return build_adapter(pipe, **options)
 
 
-def prepare_prompt_cache(cfg: Any, adapter: Any, dist: DistInfo, prompt_sets: list[Any]) -> None:
+def prepare_prompt_cache(
+    cfg: Any, adapter: Any, dist: DistInfo, prompt_sets: list[list[str]]
+) -> None:
     """``model.embed_cache_dir``: give the adapter a prompt-embedding cache, encode every
-    prompt of ``prompt_sets`` (PromptDatasets) and the negative prompt that is missing (each
+    prompt of ``prompt_sets`` and the negative prompts that is missing (each
     rank a share, then each rank what it still cannot read: the folder need not be shared),
     then apply ``model.text_encoder_offload``. Collective."""
     from flowgrpo.engine.dist import barrier
@@ -84,7 +86,7 @@ def prepare_prompt_cache(cfg: Any, adapter: Any, dist: DistInfo, prompt_sets: li
     if not m.embed_cache_dir:
         return
     cache = PromptEmbedCache(m.embed_cache_dir, adapter)
-    prompts = [p for ds in prompt_sets for p in ds.prompts]
+    prompts = [p for prompt_set in prompt_sets for p in prompt_set]
     prompts += [cfg.sample.negative_prompt, adapter.default_negative_prompt]
     todo = cache.missing(prompts)
     cache.prepare(todo[dist.rank :: dist.world_size])
