@@ -6,6 +6,7 @@
     flowgrpo sample [PRESET] [KEY=VALUE ...] --prompts TEXT ... --out DIR [--checkpoint PATH]
     flowgrpo eval [PRESET] [KEY=VALUE ...] [--checkpoint PATH] [--prompt-file F]
     flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH --out FILE
+    flowgrpo memory [PRESET] [KEY=VALUE ...] --gpus N --gpu-gb G   per-GPU memory plan
     flowgrpo toy pretrain ...                        pretrain the toy generator
     flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
 
@@ -41,7 +42,7 @@ LAZY_COMMANDS = {
         "serve a registered reward over HTTP",
     ),
 }
-_OVERRIDE_COMMANDS = ("train", "config", "sample", "eval", "export-lora")
+_OVERRIDE_COMMANDS = ("train", "config", "sample", "eval", "export-lora", "memory")
 
 
 def _is_main_rank() -> bool:
@@ -193,6 +194,26 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
     return _in_process_group(cfg, job)
 
 
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from flowgrpo.config import load_config
+    from flowgrpo.config.memory import format_plan, plan_memory, suggestions
+
+    if args.gpus <= 0:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    if not args.gpu_gb > 0:
+        raise ValueError(f"--gpu-gb must be > 0, got {args.gpu_gb:g}")
+    preset, overrides = split_config_args(args.config_args)
+    cfg = load_config(preset, overrides, check_paths=False)
+    plan = plan_memory(cfg, args.gpus, args.gpu_gb, device=args.device)
+    print(format_plan(plan, f"{cfg.preset} ({cfg.model.path})"))
+    if not plan.fits:
+        lines = suggestions(preset, overrides, plan, device=args.device)
+        print("settings that shrink it (each alone):" if lines else "no single setting fits it")
+        for line in lines:
+            print("  " + line)
+    return 0
+
+
 def _cmd_unavailable(args: argparse.Namespace) -> int:
     raise ValueError(f"command {args.command!r} is unavailable: {args.unavailable}")
 
@@ -286,6 +307,22 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="write the whole transformer (LoRA merged) with save_pretrained instead",
     )
     p.set_defaults(func=_cmd_export_lora)
+
+    p = sub.add_parser(
+        "memory",
+        help="per-GPU memory of a run by part, from the model's config files, and whether it fits",
+        description="Per-GPU bytes by part (trained weights, grads, optimizer, reference, EMA, "
+        "frozen components, activations, rollout buffers) from the model's config files on the "
+        "meta device (no weights read). model.path: a local diffusers directory or a shipped "
+        "config set (known:qwen-image, known:flux.1-dev, ...). Predicted, not measured.",
+    )
+    _add_config_args(p)
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--gpu-gb", type=float, required=True, metavar="G", help="memory per GPU, GB")
+    p.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="dtype rule of `auto` (cuda)"
+    )
+    p.set_defaults(func=_cmd_memory)
 
     wanted = _first_command(argv)
     for name in LAZY_COMMANDS:

@@ -21,6 +21,7 @@ from flowgrpo.algorithms.grpo_guard import GRPOGuardConfig
 from flowgrpo.algorithms.mix_grpo import MixGRPOConfig
 from flowgrpo.algorithms.nft import NFTConfig
 from flowgrpo.engine.config import DTYPES, EMAConfig, FSDPConfig, LoraConfig, OptimConfig
+from flowgrpo.models.prompt_cache import TEXT_ENCODER_OFFLOAD
 from flowgrpo.rewards.spec import RewardSpec, check_labels
 from flowgrpo.settings import (
     ConfigError,
@@ -77,6 +78,39 @@ class ModelConfig:
         "`sample.guidance_scale`.",
         check=optional(ge(0)),
     )
+    embed_cache_dir: str | None = setting(
+        None,
+        "Folder of the prompt-embedding cache: each prompt is encoded once (alone) and read back "
+        "bit-identically; keyed by the text encoders' weights, the tokenizers, the max length "
+        "and the prompt; safe to share between runs. null = off.",
+    )
+    text_encoder_offload: str = setting(
+        "keep",
+        "Once every train/eval/negative prompt is in `embed_cache_dir`: `keep` the text "
+        "encoders on the GPU, move them to `cpu`, or `free` them (Qwen-Image: 16 GB, Wan: 11 GB "
+        "per GPU).",
+        check=one_of(*TEXT_ENCODER_OFFLOAD),
+    )
+    vae_slicing: bool = setting(
+        True,
+        "Decode one sample at a time (the VAE's peak memory of one sample, not the batch); "
+        "pixels equal the batched decode to ~1e-6.",
+    )
+    vae_tiling: bool = setting(
+        False,
+        "Decode in overlapping spatial tiles (diffusers `enable_tiling`; bounds the peak at any "
+        "size; blended tile seams change pixels slightly).",
+    )
+
+    def check(self) -> None:
+        if self.text_encoder_offload != "keep":
+            need(
+                self.embed_cache_dir is not None,
+                "model.text_encoder_offload",
+                "'keep' unless model.embed_cache_dir is set (the encoders leave once prompts are "
+                "cached)",
+                self.text_encoder_offload,
+            )
 
 
 @dataclass

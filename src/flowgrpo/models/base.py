@@ -103,6 +103,8 @@ class DiffusionAdapter(ABC):
     batch_cfg: bool = True
     #: negative prompt used when guidance is on and none is given
     default_negative_prompt: str = ""
+    #: a ``PromptEmbedCache`` (models/prompt_cache.py) that ``encode`` reads and fills; None = off
+    prompt_cache: Any = None
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
@@ -206,8 +208,10 @@ class DiffusionAdapter(ABC):
         guidance_scale: float = 1.0,
     ) -> tuple[PromptEmbeds, PromptEmbeds | None]:
         """Positive embeddings and, when guidance is on, the negative ones
-        (``default_negative_prompt`` for each prompt when none are given)."""
-        embeds = self.encode_prompts(list(prompts))
+        (``default_negative_prompt`` for each prompt when none are given). With a
+        ``prompt_cache``, each prompt's embeddings come from it (encoded alone, once)."""
+        encode = self.encode_prompts if self.prompt_cache is None else self.prompt_cache.encode
+        embeds = encode(list(prompts))
         if not self.uses_cfg(guidance_scale):
             return embeds, None
         if negative_prompts is None:
@@ -216,7 +220,7 @@ class DiffusionAdapter(ABC):
             raise ValueError(
                 f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts"
             )
-        return embeds, self.encode_prompts(list(negative_prompts))
+        return embeds, encode(list(negative_prompts))
 
     def velocity(
         self,

@@ -42,7 +42,7 @@ RATIO_METRICS = ("train/clipfrac", "train/ratio_mean", "train/log_ratio_mean")
 class Run:
     """Everything built once from the config: adapter, engine, rewards, prompt streams."""
 
-    def __init__(self, cfg: Any, dist: D.DistInfo) -> None:
+    def __init__(self, cfg: Any, dist: D.DistInfo, prompts: tuple[str, ...] = ()) -> None:
         self.cfg, self.dist = cfg, dist
         quiet_known_noise(dist.is_main)  # loading bars from rank 0, known-harmless warnings
         if cfg.run.num_threads:
@@ -52,6 +52,8 @@ class Run:
         self.reward = S.build_rewards(cfg.reward)
         self.eval_reward = S.build_rewards(cfg.eval_reward)  # eval only, the whole set at once
         self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
+        sets = [self.train_data.prompts, self.eval_set.prompts, list(prompts)]
+        S.prepare_prompt_cache(cfg, self.adapter, dist, sets)
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
         self.grid_index, self.grid_cols = S.grid_layout(
             len(self.eval_set), cfg.data.eval_samples_per_prompt
@@ -501,8 +503,8 @@ def _due(step: int, every: int, last: int) -> bool:
 # -- sample / eval / export from a checkpoint --------------------------------------------------
 
 
-def _restored(cfg: Any, checkpoint: str | Path | None) -> Run:
-    run = Run(cfg, D.init_distributed())
+def _restored(cfg: Any, checkpoint: str | Path | None, prompts: tuple[str, ...] = ()) -> Run:
+    run = Run(cfg, D.init_distributed(), prompts)
     if checkpoint is not None:
         from flowgrpo.engine.checkpoint import load_checkpoint
 
@@ -518,7 +520,7 @@ def run_sample(
     made which file; sample i's noise comes from (seed, i)."""
     if not prompts:
         raise ValueError("run_sample needs at least one prompt")
-    run = _restored(cfg, checkpoint)
+    run = _restored(cfg, checkpoint, tuple(prompts))  # prompts reach the embedding cache
     with run.ema():
         images = rollout(run, list(prompts), list(range(len(prompts))), S.SAMPLE_SALT, eval=True)
     if not run.dist.is_main:

@@ -75,7 +75,35 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     for key in options:
         if key not in takes:
             raise ValueError(f"model.{key} does not apply to {type(pipe).__name__}")
+    vae = getattr(pipe, "vae", None)
+    for on, name in ((m.vae_slicing, "enable_slicing"), (m.vae_tiling, "enable_tiling")):
+        if on and hasattr(vae, name):  # the VAE decodes a sample (a tile) at a time
+            getattr(vae, name)()
     return build_adapter(pipe, **options)
+
+
+def prepare_prompt_cache(
+    cfg: Any, adapter: Any, dist: DistInfo, prompt_sets: list[list[str]]
+) -> None:
+    """``model.embed_cache_dir``: give the adapter a prompt-embedding cache, encode every
+    prompt of ``prompt_sets`` and the negative prompts that is missing (each
+    rank a share, then each rank what it still cannot read: the folder need not be shared),
+    then apply ``model.text_encoder_offload``. Collective."""
+    from flowgrpo.engine.dist import barrier
+    from flowgrpo.models.prompt_cache import PromptEmbedCache
+
+    m = cfg.model
+    if not m.embed_cache_dir:
+        return
+    cache = PromptEmbedCache(m.embed_cache_dir, adapter)
+    prompts = [p for prompt_set in prompt_sets for p in prompt_set]
+    prompts += [cfg.sample.negative_prompt, adapter.default_negative_prompt]
+    todo = cache.missing(prompts)
+    cache.prepare(todo[dist.rank :: dist.world_size])
+    barrier()
+    cache.prepare(todo)
+    adapter.prompt_cache = cache
+    cache.release_text_encoders(m.text_encoder_offload)
 
 
 def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> tuple[Any, Any]:

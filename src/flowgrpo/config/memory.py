@@ -1,0 +1,494 @@
+"""The memory planner behind ``flowgrpo memory PRESET [key=value ...] --gpus N --gpu-gb G``.
+
+Per-GPU bytes of a run, by part, from the model's config files alone: every component is built
+from its ``config.json`` on the meta device (no weight is read, nothing is allocated) and its
+parameters counted. The sharded state is what the engine holds per rank once the transformer
+is sharded over a shard group of S = gpus / fsdp.replicate_degree ranks:
+
+- trained weights: full fine-tune, the fp32 master of every parameter (4 B / S); LoRA, the
+  frozen base in the weights' dtype plus the fp32 LoRA factors;
+- grads (fp32, 4 B / S) and AdamW's two moments (8 B / S) of the trained parameters;
+- reference: a full fine-tune whose algorithm has a KL term keeps the initial weights in the
+  compute dtype (2 B / S in bf16); LoRA's reference is the adapter switched off (0);
+- EMA (and DiffusionNFT's old policy): fp32 shadows of the trained parameters (4 B / S each);
+- FSDP's gathered blocks: the two largest blocks unsharded in the compute dtype (the one
+  running and the one prefetched);
+- frozen components: the text encoders (0 once every prompt is in the embedding cache and
+  ``model.text_encoder_offload`` is cpu/free) and the VAE, whole on every GPU;
+- activations of one training micro-batch (both CFG branches: 2 rows per sample), from each
+  block's Linear widths x its tokens (image tokens; text tokens for the text stream),
+  calibrated on CPU measurements (``ACT_PER_WIDTH``); with activation checkpointing, each
+  block's input plus one block's activations;
+- rollout buffers: this rank's trajectories (fp32 latents of the trained steps, prompt
+  embeddings, decoded images) and the rollout's no-grad forward of ``rollout_batch_size``.
+
+The totals are predictions: measured on CPUs (tests/config/test_memory_planner.py), not yet on
+a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+GB = 1e9
+#: activation bytes saved for backward per token, per unit of a block's Linear width (sum of
+#: in + out features over the block's Linear layers, each at the tokens it sees), per byte of
+#: the compute dtype: full fine-tune, and LoRA (a frozen Linear keeps no input for its weight's
+#: grad). Fitted to the 1-rank CPU (fp32) measurements of a small SD3 (4 blocks of width 256,
+#: 64 px, micro-batch 2 with CFG) in tests/config/test_memory_planner.py; the 2-rank runs of the
+#: same test check them (within 4%).
+ACT_PER_WIDTH = {"full": 1.06, "lora": 0.61}
+#: the rollout's no-grad forward keeps about this many of the largest activations alive
+ROLLOUT_ACT_FACTOR = 4.0
+#: share of a GPU's memory the plan may use: the rest is the CUDA context, NCCL buffers and
+#: the caching allocator's fragmentation
+USABLE = 0.9
+KNOWN_PREFIX = "known:"
+_TEXT_MARKERS = ("add_", "context", "txt", "attn2.to_k", "attn2.to_v", "text")
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
+
+
+# -- the model's config files --------------------------------------------------------------------
+def known_models() -> list[str]:
+    """Names of the shipped config sets (``model.path=known:NAME``)."""
+    root = resources.files("flowgrpo") / "assets" / "model_configs"
+    return sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def read_model_configs(path: str) -> dict[str, Any]:
+    """{"model_index": ..., component: config} from a local diffusers directory (its
+    model_index.json and each component's config.json) or a shipped set (``known:NAME``)."""
+    if path.startswith(KNOWN_PREFIX):
+        name = path[len(KNOWN_PREFIX) :]
+        if name not in known_models():
+            raise ValueError(
+                f"model.path {path!r}: no shipped config set {name!r}; known: "
+                + ", ".join(KNOWN_PREFIX + n for n in known_models())
+            )
+        text = (
+            resources.files("flowgrpo") / "assets" / "model_configs" / f"{name}.json"
+        ).read_text()
+        return json.loads(text)
+    from flowgrpo.models.registry import read_model_index, resolve_model_path
+
+    index = read_model_index(path)
+    root = resolve_model_path(path)
+    out: dict[str, Any] = {"model_index": index}
+    for comp, spec in index.items():
+        if not (
+            isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")
+        ):
+            continue
+        cfg = root / comp / "config.json"
+        if cfg.is_file():
+            out[comp] = json.loads(cfg.read_text())
+    if "transformer" not in out:
+        raise ValueError(f"model.path '{path}': no transformer/config.json to plan from")
+    return out
+
+
+def build_on_meta(library: str, class_name: str, config: dict[str, Any]) -> Any:
+    """The component instantiated from ``config`` on the meta device (no memory, no weights)."""
+    import torch
+
+    with torch.device("meta"):
+        if library == "diffusers":
+            import diffusers
+
+            return getattr(diffusers, class_name).from_config(config)
+        import transformers
+
+        klass = getattr(transformers, class_name)
+        return klass(klass.config_class.from_dict(config))
+
+
+def _numel(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# -- the transformer's shape ---------------------------------------------------------------------
+@dataclass
+class TransformerShape:
+    """What the planner needs of one trained transformer (all counts in elements)."""
+
+    params: int
+    buffers: int
+    lora_params: int
+    blocks: list[tuple[str, int, int, int]]  # (block list, params, image width, text width)
+    hidden: int
+
+
+def _blocks(model: Any) -> list[tuple[str, Any]]:
+    out = []
+    for name in _BLOCK_LISTS:
+        blocks = getattr(model, name, None)
+        if blocks is not None and hasattr(blocks, "__iter__"):
+            out += [(name, b) for b in blocks]
+    return out
+
+
+def _lora_targeted(name: str, targets: list[str] | str) -> bool:
+    if targets == "all-linear":
+        return True
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def transformer_shape(model: Any, lora_targets: list[str] | str, rank: int) -> TransformerShape:
+    """Parameter counts, LoRA parameter count (rank r on every targeted Linear: r (in + out))
+    and, per block, its Linear width on image and on text tokens."""
+    import torch
+
+    lora = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and _lora_targeted(name, lora_targets):
+            lora += rank * (mod.in_features + mod.out_features)
+    blocks = []
+    for kind, block in _blocks(model):
+        img = txt = 0
+        for name, mod in block.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                width = mod.in_features + mod.out_features
+                if any(m in name for m in _TEXT_MARKERS) and kind != "single_transformer_blocks":
+                    txt += width
+                else:
+                    img += width
+        blocks.append((kind, _numel(block), img, txt))
+    cfg = model.config
+    hidden = int(cfg.get("num_attention_heads", 1)) * int(cfg.get("attention_head_dim", 1))
+    buffers = sum(b.numel() for b in model.buffers())
+    return TransformerShape(_numel(model), buffers, lora, blocks, hidden)
+
+
+# -- the plan --------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """Per-GPU bytes by part, and what they were computed for."""
+
+    parts: dict[str, float]
+    gpus: int
+    gpu_gb: float
+    notes: list[str] = field(default_factory=list)
+    params: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        """The listed parts (names in parentheses are alternatives, not added), the rollout's
+        forward counted only where it exceeds the training activations (never both at once)."""
+        fixed = sum(v for k, v in self.parts.items() if not k.startswith("("))
+        return fixed + max(
+            0.0, self.parts.get("(rollout forward)", 0.0) - self.parts["activations"]
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= USABLE * self.gpu_gb * GB
+
+
+def _dtype_bytes(name: str, device: str) -> int:
+    if name == "auto":
+        return 2 if device == "cuda" else 4
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[name]
+
+
+def _uses_cfg(cfg: Any, pipeline: str) -> bool:
+    algo = getattr(cfg, cfg.algorithm, None)
+    g = getattr(algo, "guidance_scale", None)
+    g = cfg.sample.guidance_scale if g is None else g
+    if pipeline.startswith("Flux"):  # FLUX.1-dev's guidance is distilled: true CFG only
+        return cfg.model.true_cfg_scale > 1
+    return g > 1
+
+
+def _tokens(cfg: Any, configs: dict[str, Any], pipeline: str) -> tuple[int, int, int]:
+    """(image/video tokens, text tokens in the joint sequence, latent elements per sample)."""
+    t, vae = configs["transformer"], configs.get("vae", {})
+    h, w = cfg.model.height, cfg.model.width
+    blocks = vae.get("block_out_channels")  # AutoencoderKL: 2^(levels - 1); Wan/Qwen VAE: 8
+    f = 2 ** (len(blocks) - 1) if blocks else 8
+    channels = int(vae.get("latent_channels", vae.get("z_dim", 16)))
+    patch = t.get("patch_size", 2)
+    if isinstance(patch, list):  # Wan: (frames, h, w)
+        frames = cfg.model.num_frames or 81
+        lat_f = (frames - 1) // 4 + 1
+        img = lat_f * (h // (f * patch[1])) * (w // (f * patch[2]))
+        return img, 0, channels * lat_f * (h // f) * (w // f)
+    img = (h // (2 * f)) * (w // (2 * f))  # 2x2 patches (SD3) or 2x2 packing (FLUX, Qwen)
+    text, _ = _text_len(cfg, pipeline)
+    return img, text, channels * (h // f) * (w // f)
+
+
+def _text_len(cfg: Any, pipeline: str) -> tuple[int, int]:
+    """(text tokens per prompt, embedding width) as the family's adapter encodes them."""
+    L = cfg.model.max_sequence_length
+    if pipeline.startswith("StableDiffusion3"):
+        return 77 + (L or 256), 4096
+    if pipeline.startswith("QwenImage"):
+        return L or 512, 3584
+    return L or 512, 4096
+
+
+def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> Plan:
+    """The per-GPU plan of run config ``cfg`` on ``gpus`` GPUs of ``gpu_gb`` GB each."""
+    if gpus <= 0:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    if not gpu_gb > 0:
+        raise ValueError(f"--gpu-gb must be > 0, got {gpu_gb}")
+    if not cfg.model.path:
+        raise ValueError(
+            "model.path is required: a local diffusers directory (only its config files are "
+            "read) or a shipped config set: " + ", ".join(KNOWN_PREFIX + n for n in known_models())
+        )
+    configs = read_model_configs(str(cfg.model.path))
+    index = configs["model_index"]
+    pipeline = str(index.get("_class_name", ""))
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES
+
+    if pipeline not in SUPPORTED_PIPELINES:
+        raise ValueError(
+            f"model.path '{cfg.model.path}' holds an unsupported pipeline {pipeline!r}; "
+            f"supported: {', '.join(SUPPORTED_PIPELINES)}"
+        )
+    fs, m = cfg.fsdp, cfg.model
+    if gpus % (fs.replicate_degree * fs.sp_degree):
+        raise ValueError(
+            f"--gpus {gpus} must be a multiple of fsdp.replicate_degree x fsdp.sp_degree "
+            f"({fs.replicate_degree} x {fs.sp_degree})"
+        )
+    shard = gpus // fs.replicate_degree
+    dp = gpus // fs.sp_degree
+    wbytes = _dtype_bytes(m.dtype, device)  # the loaded weights (frozen parts, LoRA base)
+    cbytes = wbytes if fs.param_dtype == "auto" else _dtype_bytes(fs.param_dtype, device)
+
+    trained = [c for c in ("transformer", "transformer_2") if c in configs and c in index]
+    shapes = []
+    for comp in trained:
+        lib, cls = index[comp]
+        model = build_on_meta(lib, cls, configs[comp])
+        targets = cfg.lora.target_modules
+        if targets is None:
+            from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
+
+            adapter_cls = import_adapter(SUPPORTED_PIPELINES[pipeline])
+            targets = list(adapter_cls.lora_target_modules)
+        shapes.append(transformer_shape(model, targets, cfg.lora.rank))
+    n_params = sum(s.params for s in shapes)
+    n_buffers = sum(s.buffers for s in shapes)  # whole on every rank (FSDP shards parameters)
+    n_lora = sum(s.lora_params for s in shapes)
+    frozen_parts: dict[str, int] = {}
+    for comp, spec in index.items():
+        if comp in trained or comp not in configs or not isinstance(spec, list):
+            continue
+        frozen_parts[comp] = _numel(build_on_meta(spec[0], spec[1], configs[comp]))
+
+    algo = getattr(cfg, cfg.algorithm, None)
+    from flowgrpo.algorithms import algorithm_class
+
+    reference = algorithm_class(cfg.algorithm).needs_reference(algo)
+    lora = cfg.lora.enabled
+    n_train = n_lora if lora else n_params
+    offload = fs.cpu_offload
+    parts: dict[str, float] = {}
+    state = 1.0 if not offload else 0.0  # CPU offload keeps the sharded state in host memory
+    if lora:
+        parts["trained weights"] = state * (n_params * wbytes + n_lora * 4) / shard
+    else:
+        parts["trained weights"] = state * n_params * 4 / shard
+    parts["trained weights"] += n_buffers * wbytes
+    parts["grads"] = state * n_train * 4 / shard
+    parts["optimizer"] = state * n_train * 8 / shard
+    parts["reference"] = state * (n_params * cbytes / shard if reference and not lora else 0)
+    shadows = int(cfg.ema.enabled) + int(cfg.algorithm == "nft")
+    parts["EMA"] = state * shadows * n_train * 4 / shard
+    # unsharded while a block runs: its params and the next one's (prefetch) in the compute
+    # dtype, and in backward a block's unsharded fp32 grads before the reduce-scatter
+    biggest = sorted((b[1] for s in shapes for b in s.blocks), reverse=True)
+    gathered = sum(biggest[:2]) * cbytes + (0 if lora else biggest[0] * 4)
+    parts["gathered blocks"] = gathered if shard > 1 or offload else 0.0
+    released = m.embed_cache_dir and m.text_encoder_offload != "keep"
+    text = sum(v for k, v in frozen_parts.items() if k.startswith("text_encoder"))
+    other = sum(v for k, v in frozen_parts.items() if not k.startswith("text_encoder"))
+    parts["frozen text encoders"] = 0.0 if released else text * wbytes
+    parts["frozen VAE etc."] = other * wbytes
+
+    img, txt, latent = _tokens(cfg, configs, pipeline)
+    rows = 2 if _uses_cfg(cfg, pipeline) else 1
+    sp = fs.sp_degree
+    coef = ACT_PER_WIDTH["lora" if lora else "full"]
+    per_block = [
+        coef * cbytes * (iw * (img + (txt if k == "single_transformer_blocks" else 0)) + tw * txt)
+        for s in shapes
+        for (k, _, iw, tw) in s.blocks
+    ]
+    per_block = [b / sp for b in per_block]
+    mb = cfg.update.micro_batch_size * rows
+    hidden = max(s.hidden for s in shapes)
+    act_full = mb * sum(per_block)
+    act_ckpt = mb * (len(per_block) * (img + txt) * hidden * cbytes / sp + max(per_block))
+    use_ckpt = fs.activation_checkpointing
+    parts["activations"] = act_ckpt if use_ckpt else act_full
+    parts["(activations without checkpointing)"] = act_full
+    parts["(activations with checkpointing)"] = act_ckpt
+
+    samples = cfg.sample.prompts_per_step * cfg.sample.group_size
+    local = math.ceil(samples / dp)
+    s = cfg.sample
+    if s.window_size > 0:
+        k = s.window_size
+    else:
+        k = max(1, math.ceil(s.stochastic_steps() * s.timestep_fraction))
+    text_len, text_dim = _text_len(cfg, pipeline)
+    frames = (
+        (m.num_frames or 81) if isinstance(configs["transformer"].get("patch_size"), list) else 1
+    )
+    per_sample = (
+        (k + 2) * latent * 4  # latents of the trained steps + the final latents, fp32
+        + rows * text_len * text_dim * wbytes  # prompt (and negative) embeddings
+        + 3 * frames * m.height * m.width * 4  # decoded image / video, fp32
+    )
+    rollout_act = (
+        ROLLOUT_ACT_FACTOR * s.rollout_batch_size * rows * (img + txt) * hidden * cbytes / sp
+    )
+    parts["rollout buffers"] = local * per_sample
+    parts["(rollout forward)"] = rollout_act
+    plan = Plan(parts, gpus, gpu_gb)
+    plan.params = {"trained": n_params, "lora": n_lora, **frozen_parts}
+    return plan
+
+
+# -- what to turn ----------------------------------------------------------------------------------
+#: settings that shrink a plan, mildest first (what each costs: none, recompute, more steps,
+#: more communication, host memory traffic)
+SUGGESTIONS: list[tuple[str, list[str]]] = [
+    (
+        "cache prompt embeddings and free the text encoders",
+        ["model.embed_cache_dir=prompt-cache", "model.text_encoder_offload=free"],
+    ),
+    ("train LoRA instead of the whole transformer", ["lora.enabled=true"]),
+    ("recompute blocks in backward", ["fsdp.activation_checkpointing=true"]),
+    ("one sample per micro-batch", ["update.micro_batch_size=1"]),
+    ("split each sample's tokens over 2 GPUs", ["fsdp.sp_degree=2"]),
+    ("keep the sharded state in host memory", ["fsdp.cpu_offload=true"]),
+]
+
+
+def suggestions(preset: str | None, overrides: list[str], plan: Plan, *, device: str) -> list[str]:
+    """Settings that would shrink the plan (each tried alone), best first, with the total each
+    gives; and the GPU count that fits if any."""
+    from flowgrpo.config import load_config
+
+    out = []
+    for why, extra in SUGGESTIONS:
+        try:
+            cfg = load_config(preset, [*overrides, *extra], check_paths=False)
+            other = plan_memory(cfg, plan.gpus, plan.gpu_gb, device=device)
+        except Exception:  # noqa: BLE001 - a setting that does not apply is simply not offered
+            continue
+        if other.total < plan.total * 0.97:
+            out.append((other.total, f"{' '.join(extra)}  ({why}): {other.total / GB:.1f} GB"))
+    out.sort()
+    lines = [text for _, text in out]
+    cfg = load_config(preset, overrides, check_paths=False)
+    for n in (2, 4, 8, 16, 32, 64):
+        if n > plan.gpus:
+            try:
+                other = plan_memory(cfg, n, plan.gpu_gb, device=device)
+            except ValueError:
+                continue
+            if other.fits:
+                lines.append(f"--gpus {n}  (shard the state wider): {other.total / GB:.1f} GB")
+                break
+    return lines
+
+
+def settings_that_fit(
+    preset: str | None, overrides: list[str], gpus: int, gpu_gb: float
+) -> tuple[list[str], Plan]:
+    """Add the settings of ``SUGGESTIONS`` in order (mildest first; LoRA is left to the user),
+    each one that shrinks the plan, until it fits; returns (settings added, final plan)."""
+    from flowgrpo.config import load_config
+
+    added: list[str] = []
+    plan = plan_memory(load_config(preset, overrides, check_paths=False), gpus, gpu_gb)
+    for _, extra in SUGGESTIONS:
+        if plan.fits:
+            break
+        if extra == ["lora.enabled=true"]:  # a different training, not a memory setting
+            continue
+        try:
+            cfg = load_config(preset, [*overrides, *added, *extra], check_paths=False)
+            other = plan_memory(cfg, gpus, gpu_gb)
+        except Exception:  # noqa: BLE001 - a setting that does not apply
+            continue
+        if other.total < plan.total * 0.99:
+            added += extra
+            plan = other
+    return added, plan
+
+
+#: the shipped presets and the real models they are written for
+PRESET_MODELS = [
+    ("qwen-image-ocr", "qwen-image", []),
+    ("flux-pickscore", "flux.1-dev", []),
+    ("sd3-ocr", "sd3.5-medium", []),
+    ("sd3-ocr", "sd3.5-large", []),
+    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
+    ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
+]
+
+
+def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
+    """The markdown table of docs/memory.md: every preset's real model, LoRA (the preset) and
+    a full fine-tune, on ``gpus`` GPUs of each size: GB per GPU and the settings that fit."""
+    head = "| preset, model | training | " + " | ".join(
+        f"{gpus}x{g:g} GB: GB/GPU, settings added" for g in gpu_sizes
+    )
+    lines = [head + " |", "|" + "---|" * (2 + len(gpu_sizes))]
+    for preset, model, extra in PRESET_MODELS:
+        for label, more in (("LoRA (preset)", []), ("full, KL as preset", ["lora.enabled=false"])):
+            over = [f"model.path={KNOWN_PREFIX}{model}", *extra, *more]
+            cells = []
+            for g in gpu_sizes:
+                added, plan = settings_that_fit(preset, over, gpus, g)
+                verdict = "" if plan.fits else " **does not fit**"
+                what = ", ".join(f"`{a}`" for a in added) or "as is"
+                cells.append(f"{plan.total / GB:.1f}{verdict}; {what}")
+            lines.append(f"| {preset}, {model} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, title: str) -> str:
+    """The plan as a table of GB per GPU, then the verdict."""
+    lines = [f"{title}: per-GPU memory on {plan.gpus} GPU(s) of {plan.gpu_gb:g} GB"]
+    for name, value in plan.parts.items():
+        lines.append(f"  {name:<38} {value / GB:9.2f} GB")
+    lines.append(f"  {'total':<38} {plan.total / GB:9.2f} GB")
+    budget = USABLE * plan.gpu_gb
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(
+        f"{verdict}: {plan.total / GB:.1f} GB of the {budget:.1f} GB usable "
+        f"({USABLE:.0%} of {plan.gpu_gb:g} GB; the rest: CUDA context, NCCL, fragmentation). "
+        "Predicted by the planner, not measured on a GPU."
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m flowgrpo.config.memory: the table of docs/memory.md
+    print(docs_table())
+
+
+__all__ = [
+    "ACT_PER_WIDTH",
+    "docs_table",
+    "settings_that_fit",
+    "Plan",
+    "build_on_meta",
+    "format_plan",
+    "known_models",
+    "plan_memory",
+    "read_model_configs",
+    "suggestions",
+]

@@ -1,0 +1,164 @@
+"""``flowgrpo memory``: the planner's parameter counts equal the built models', its total is
+within 15% of the measured per-rank peak of training (LoRA and full fine-tune with KL, 1 and 2
+ranks; a small SD3 on the CPU), and bad input is a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import memory_ranks as MR
+import pytest
+import torch
+
+from flowgrpo import cli
+from flowgrpo.config import load_config
+from flowgrpo.config.memory import GB, known_models, plan_memory, read_model_configs
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory")
+    MR.save_small_pipeline(root)
+    return root
+
+
+def test_param_counts_equal_the_loaded_pipeline(root):
+    from flowgrpo.models.registry import load_pipeline
+
+    pipe = load_pipeline(root / "small-sd3")
+    cfg = load_config(None, MR.overrides(root, "lora"), check_paths=False)
+    plan = plan_memory(cfg, 1, 80, device="cpu")
+    real = {
+        name: sum(p.numel() for p in comp.parameters())
+        for name, comp in pipe.components.items()
+        if isinstance(comp, torch.nn.Module)
+    }
+    assert plan.params["trained"] == real.pop("transformer")
+    for name, n in real.items():
+        assert plan.params[name] == n, name
+    # LoRA: r (in + out) on each targeted Linear, counted by peft itself
+    from peft import LoraConfig
+
+    from flowgrpo.models.sd3 import SD3Adapter
+
+    model = pipe.transformer
+    model.add_adapter(LoraConfig(r=8, target_modules=list(SD3Adapter.lora_target_modules)))
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert plan.params["lora"] == lora
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MR.CONFIGS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_total_within_15_percent_of_the_measured_peak(root, name, world):
+    measured = MR.measure(root, name, world)
+    planned = MR.planned(root, name, world)
+    assert abs(planned / measured - 1) <= 0.15, (planned / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize("name", known_models())
+def test_shipped_configs_build_on_meta(name):
+    configs = read_model_configs(f"known:{name}")
+    cfg = load_config("toy-digits", [f"model.path=known:{name}"], check_paths=False)
+    plan = plan_memory(cfg, 8, 80)
+    published = {  # billions of transformer parameters, as the model cards give them
+        "qwen-image": 20.4,
+        "flux.1-dev": 11.9,
+        "sd3.5-large": 8.1,
+        "sd3.5-medium": 2.2,  # 2.5B with the text-side projections the card counts
+        "wan2.1-t2v-1.3b": 1.4,
+        "wan2.2-t2v-a14b": 2 * 14.3,  # two experts
+    }
+    assert plan.params["trained"] / 1e9 == pytest.approx(published[name], abs=0.05)
+    assert "sources" in configs and plan.total > 0
+
+
+def test_text_encoder_sizes_and_the_cache_setting():
+    qwen = ["model.path=known:qwen-image"]
+    cfg = load_config("qwen-image-ocr", qwen, check_paths=False)
+    plan = plan_memory(cfg, 8, 80)
+    assert plan.parts["frozen text encoders"] / GB == pytest.approx(16.6, abs=0.1)  # bf16
+    free = ["model.embed_cache_dir=/tmp/x", "model.text_encoder_offload=free"]
+    cfg = load_config("qwen-image-ocr", [*qwen, *free], check_paths=False)
+    assert plan_memory(cfg, 8, 80).parts["frozen text encoders"] == 0
+    cfg = load_config("wan-t2v-ocr", ["model.path=known:wan2.1-t2v-1.3b"], check_paths=False)
+    assert plan_memory(cfg, 8, 80).parts["frozen text encoders"] / GB == pytest.approx(
+        11.4, abs=0.1
+    )
+
+
+def test_sharding_divides_the_state_and_checkpointing_shrinks_activations():
+    over = ["model.path=known:flux.1-dev", "lora.enabled=false", "flow_grpo.kl_beta=0.04"]
+    cfg = load_config("flux-pickscore", over, check_paths=False)
+    one, eight = plan_memory(cfg, 1, 80), plan_memory(cfg, 8, 80)
+    n = one.params["trained"]
+    assert one.parts["optimizer"] == 8 * n and eight.parts["optimizer"] == n
+    assert eight.parts["reference"] == pytest.approx(2 * n / 8)  # bf16 on the GPU
+    assert one.parts["(activations with checkpointing)"] < one.parts["activations"] / 5
+
+
+def _cli(capsys, *args):
+    code = cli.main(["memory", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_prints_parts_verdict_and_what_to_turn(capsys):
+    code, out, _ = _cli(
+        capsys,
+        "flux-pickscore",
+        "model.path=known:flux.1-dev",
+        "lora.enabled=false",
+        "--gpus",
+        "1",
+        "--gpu-gb",
+        "80",
+    )
+    assert code == 0
+    for part in (
+        "trained weights",
+        "grads",
+        "optimizer",
+        "reference",
+        "EMA",
+        "frozen",
+        "activations",
+        "rollout buffers",
+        "total",
+    ):
+        assert part in out
+    assert "does NOT fit" in out and "lora.enabled=true" in out and "--gpus" in out
+    code, out, _ = _cli(
+        capsys, "wan-t2v-ocr", "model.path=known:wan2.1-t2v-1.3b", "--gpus", "8", "--gpu-gb", "141"
+    )
+    assert code == 0 and "\nfits" in out
+
+
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["no-such-preset", "--gpus", "8", "--gpu-gb", "80"], "no-such-preset"),
+        (["sd3-ocr", "model.path=known:sd3.5-medium", "--gpus", "0", "--gpu-gb", "80"], "--gpus"),
+        (["sd3-ocr", "model.path=known:sd3.5-medium", "--gpus", "8", "--gpu-gb", "0"], "--gpu-gb"),
+        (["sd3-ocr", "model.path=known:sd3.5-medium", "--gpus", "8", "--gpu-gb", "-5"], "--gpu-gb"),
+        (["sd3-ocr", "model.path=known:nope", "--gpus", "8", "--gpu-gb", "80"], "known:nope"),
+        (["sd3-ocr", "--gpus", "8", "--gpu-gb", "80"], "model.path"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, args, culprit):
+    code, out, err = _cli(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flowgrpo: error:") and culprit in lines[0]
+
+
+def test_a_model_folder_without_configs_is_one_line(capsys, tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    code, _, err = _cli(
+        capsys, "sd3-ocr", f"model.path={tmp_path}", "--gpus", "8", "--gpu-gb", "80"
+    )
+    assert code == 2 and "transformer/config.json" in err and len(err.strip().splitlines()) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _cli(capsys, "sd3-ocr", f"model.path={empty}", "--gpus", "8", "--gpu-gb", "80")
+    assert code == 2 and "model_index.json" in err and len(err.strip().splitlines()) == 1
