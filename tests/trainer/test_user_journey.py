@@ -201,7 +201,8 @@ def test_run_defining_keys_are_one_list():
     b = config_to_dict(
         load_config(
             None,
-            ["model.path=/moved/toy", "nft.beta=0.5", "flow_grpo.kl_beta=0.1", "optim.lr=1e-3"],
+            ["model.path=/moved/toy", "nft.beta=0.5", "flow_grpo.kl_beta=0.1", "optim.lr=1e-3"]
+            + ["advantage.async_reward=true", "trainer.max_steps=80", "fsdp.sp_degree=2"],
             check_paths=False,
         )
     )

@@ -41,8 +41,8 @@ RUN_DEFINING = (
     "lora",
     "ema",
 )
-#: ... except these: where files live (a run may move between machines) and how work is
-#: split into batches or which dtype a device runs (same math)
+#: ... except these: where files live (a run may move between machines), and how work is
+#: split into batches, overlapped, or which dtype a device runs (the same math)
 NOT_RUN_DEFINING = (
     "model.path",
     "model.dtype",
@@ -50,6 +50,7 @@ NOT_RUN_DEFINING = (
     "data.eval_prompts",
     "sample.rollout_batch_size",
     "update.micro_batch_size",
+    "advantage.async_reward",
 )
 
 
