@@ -6,11 +6,11 @@
     flowgrpo sample [PRESET] [KEY=VALUE ...] --prompts TEXT ... --out DIR [--checkpoint PATH]
     flowgrpo eval [PRESET] [KEY=VALUE ...] [--checkpoint PATH] [--prompt-file F]
     flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH --out FILE [--raw]
+    flowgrpo toy pretrain ...                        pretrain the toy generator
+    flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
 
 With ``--checkpoint`` the run's recorded ``config.yaml`` is the config (PRESET may be left
 out; KEY=VALUE overrides win).
-    flowgrpo toy pretrain ...                        pretrain the toy generator
-    flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
 
 PRESET is a shipped preset name or a path to a YAML file. Heavy modules (torch, diffusers) are
 imported only by the command that runs, so ``--help`` is fast. Every error prints one line

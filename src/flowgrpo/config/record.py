@@ -143,16 +143,7 @@ def changed_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> lis
         within = any(k == p or k.startswith(p + ".") for p in keys)
         return within and not any(k == p or k.startswith(p + ".") for p in NOT_RUN_DEFINING)
 
-    return sorted(k for k in set(a) | set(b) if defining(k) and _norm(a.get(k)) != _norm(b.get(k)))
-
-
-def _norm(value: Any) -> Any:
-    """Tuples as lists (YAML reads lists), ints as floats where they compare equal."""
-    if isinstance(value, (list, tuple)):
-        return [_norm(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _norm(v) for k, v in value.items()}
-    return value
+    return sorted(k for k in set(a) | set(b) if defining(k) and a.get(k) != b.get(k))
 
 
 def check_resume(cfg: Any, checkpoint: str | Path) -> None:
