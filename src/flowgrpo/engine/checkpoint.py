@@ -10,6 +10,12 @@ Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when com
 - ``rng/rank_<r>.pt``: python, numpy, torch (and CUDA) RNG states of every rank.
 - ``trainer_state.json``: the trainer's ``extra`` dict (rank 0).
 - ``meta.json``: world size, step, LoRA or full; ``COMPLETE``: written last, before the rename.
+- the caller's text ``files`` (the trainer's ``config.yaml``: the run's resolved config).
+
+A checkpoint that does not fit the engine (other shapes or tensor names: another LoRA rank,
+target modules or model family) is refused in one line (``CheckpointMismatchError``), checked
+against the DCP metadata before anything loads; DCP's own multi-rank report (a BaseException)
+is turned into one line too.
 
 Loading never runs code from the checkpoint: the ``.pt`` files hold only tensors, numbers,
 strings and containers and are read with ``torch.load(weights_only=True)``; DCP's non-tensor
