@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
-# Re-running them is quick: the install step re-runs only when pyproject.toml changes.
+# Re-running them is quick: the install step re-runs only when pyproject.toml changes, and a
+# second `make demo` continues (or, finished, re-evaluates) the demo run in runs/toy-digits.
 
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/flowgrpo train
+	$(VENV)/bin/flowgrpo train trainer.resume=auto
 
 test: $(STAMP)
 	$(PY) -m pytest

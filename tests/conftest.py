@@ -8,3 +8,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def outside_the_working_folder(tmp_path_factory):
+    """Every test runs in a fresh empty folder: what a user has in theirs (``runs/`` of a
+    ``make demo``, a ``myrewards.py``) never changes a result, and no test writes there."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(before)

@@ -5,10 +5,13 @@
     flowgrpo config list                             list the shipped presets
     flowgrpo sample [PRESET] [KEY=VALUE ...] --prompts TEXT ... --out DIR [--checkpoint PATH]
     flowgrpo eval [PRESET] [KEY=VALUE ...] [--checkpoint PATH] [--prompt-file F]
-    flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH --out FILE
+    flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH --out FILE [--raw]
     flowgrpo memory [PRESET] [KEY=VALUE ...] --gpus N --gpu-gb G   per-GPU memory plan
     flowgrpo toy pretrain ...                        pretrain the toy generator
     flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
+
+With ``--checkpoint`` the run's recorded ``config.yaml`` is the config (PRESET may be left
+out; KEY=VALUE overrides win).
 
 PRESET is a shipped preset name or a path to a YAML file. Heavy modules (torch, diffusers) are
 imported only by the command that runs, so ``--help`` is fast. Every error prints one line
@@ -43,6 +46,7 @@ LAZY_COMMANDS = {
     ),
 }
 _OVERRIDE_COMMANDS = ("train", "config", "sample", "eval", "export-lora", "memory")
+current_argv: list[str] | None = None  # the arguments of the running command
 
 
 def _is_main_rank() -> bool:
@@ -69,6 +73,22 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _checkpoint(text: str | None) -> str | None:
     return None if text is None or text.lower() in ("none", "base", "") else text
+
+
+def _config_of_checkpoint(args: argparse.Namespace, command: str, extra: Sequence[str] = ()):
+    """The config of ``sample`` / ``eval`` / ``export-lora``: the checkpoint's recorded
+    ``config.yaml`` when it has one (then a PRESET may be left out), else the preset;
+    KEY=VALUE overrides win either way."""
+    from flowgrpo.config import load_config
+
+    preset, overrides = split_config_args(args.config_args)
+    recorded, ckpt = None, _checkpoint(args.checkpoint)
+    if ckpt is not None and os.path.exists(ckpt):  # a missing one is reported by the run
+        from flowgrpo.config.record import checkpoint_record
+        from flowgrpo.trainer.setup import resolve_checkpoint
+
+        recorded = checkpoint_record(resolve_checkpoint(ckpt))
+    return load_config(preset, [*overrides, *extra], command=command, recorded=recorded)
 
 
 # -- handlers ----------------------------------------------------------------------------------
@@ -136,9 +156,8 @@ def _cmd_config_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.config import ConfigError
 
-    preset, overrides = split_config_args(args.config_args)
     if args.prompts:
         prompts = list(args.prompts)
     elif args.prompt_file:
@@ -147,7 +166,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         prompts = load_prompts(args.prompt_file).prompts
     else:
         raise ConfigError("flowgrpo sample needs --prompts TEXT ... or --prompt-file FILE")
-    cfg = load_config(preset, overrides, command="sample")
+    cfg = _config_of_checkpoint(args, "sample")
     from flowgrpo.trainer.flow_grpo import run_sample
 
     def job() -> None:
@@ -159,12 +178,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from flowgrpo.config import load_config
-
-    preset, overrides = split_config_args(args.config_args)
-    if args.prompt_file:
-        overrides.append(f"data.eval_prompts={args.prompt_file}")
-    cfg = load_config(preset, overrides, command="eval")
+    extra = [f"data.eval_prompts={args.prompt_file}"] if args.prompt_file else []
+    cfg = _config_of_checkpoint(args, "eval", extra)
     from flowgrpo.trainer.flow_grpo import run_eval
 
     def job() -> None:
@@ -180,16 +195,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_lora(args: argparse.Namespace) -> int:
-    from flowgrpo.config import load_config
-
-    preset, overrides = split_config_args(args.config_args)
-    cfg = load_config(preset, overrides, command="export")
+    cfg = _config_of_checkpoint(args, "export")
     from flowgrpo.trainer.flow_grpo import run_export_lora
 
     def job() -> None:
-        path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full)
+        path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full, raw=args.raw)
         if _is_main_rank():
-            print(f"wrote {'the full transformer' if args.full else 'LoRA weights'} to {path}")
+            what = "the full transformer" if args.full else "LoRA weights"
+            if not cfg.ema.enabled:
+                which = "the trained weights; this run has no EMA"
+            elif args.raw:
+                which = "the raw trained weights, not the EMA that eval measures"
+            else:
+                which = "the EMA weights, which eval measures; --raw for the raw weights"
+            print(f"wrote {what} ({which}) to {path}")
 
     return _in_process_group(cfg, job)
 
@@ -277,7 +296,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     p = sub.add_parser("sample", help="write PNGs for prompts from a checkpoint or base model")
     _add_config_args(p)
-    p.add_argument("--checkpoint", default=None, help="checkpoint or run directory; none = base")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint or run directory (its recorded config.yaml is the config); none = base",
+    )
     p.add_argument(
         "--prompts",
         nargs="+",
@@ -290,14 +313,22 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="eval reward of a checkpoint or base model")
     _add_config_args(p)
-    p.add_argument("--checkpoint", default=None, help="checkpoint or run directory; none = base")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint or run directory (its recorded config.yaml is the config); none = base",
+    )
     p.add_argument("--prompt-file", metavar="FILE", help="eval prompts (data.eval_prompts)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the metrics as JSON")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("export-lora", help="write a diffusers-loadable LoRA from a checkpoint")
     _add_config_args(p)
-    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint or run directory (its recorded config.yaml is the config)",
+    )
     p.add_argument(
         "--out", required=True, metavar="PATH", help="output .safetensors file (--full: a folder)"
     )
@@ -305,6 +336,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--full",
         action="store_true",
         help="write the whole transformer (LoRA merged) with save_pretrained instead",
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="export the raw trained weights of a run with EMA (default: the EMA weights, "
+        "which eval and sample use)",
     )
     p.set_defaults(func=_cmd_export_lora)
 
@@ -334,10 +371,22 @@ def _exit_code(e: SystemExit) -> int:
     return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
+def _cwd_importable() -> None:
+    """Modules in the current folder are importable (``reward=myrewards:fn``) from the
+    ``flowgrpo`` console script as from ``python -m flowgrpo``: ``-m`` puts the folder on
+    ``sys.path``, a console script puts its own bin folder there instead."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2: configuration and input errors, 1: failures while
     running, 130: interrupted)."""
+    global current_argv
     argv = list(sys.argv[1:] if argv is None else argv)
+    current_argv = argv  # recorded in the run folder's config.yaml
+    _cwd_importable()
     parser = build_parser(argv)
     try:
         args, extras = parser.parse_known_args(argv)

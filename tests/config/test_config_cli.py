@@ -26,7 +26,7 @@ def fake_trainer(monkeypatch):
         and [Path(out) / f"{i}.png" for i in range(len(prompts))]
     )
     mod.run_eval = lambda cfg, ckpt: calls.setdefault("eval", (cfg, ckpt)) and {"eval/x": 1.0}
-    mod.run_export_lora = lambda cfg, ckpt, out, full=False: calls.setdefault(
+    mod.run_export_lora = lambda cfg, ckpt, out, full=False, raw=False: calls.setdefault(
         "export", (cfg, ckpt, out, full)
     )[2]
     monkeypatch.setitem(sys.modules, "flowgrpo.trainer.flow_grpo", mod)
@@ -110,5 +110,7 @@ def test_commands_dispatch_to_the_trainer(tmp_path, capsys, fake_trainer) -> Non
     del fake_trainer["export"]
     assert cli.main(["export-lora", "--checkpoint", "c", "--full", "--out", "dir"]) == 0
     assert fake_trainer["export"][1:] == ("c", "dir", True)
-    assert "wrote LoRA weights to l.safetensors" in capsys.readouterr().out
+    assert "wrote LoRA weights (the trained weights; this run has no EMA) to l.safetensors" in (
+        capsys.readouterr().out
+    )
     assert cli.main(["eval", "--bogus"]) == 2

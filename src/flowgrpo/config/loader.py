@@ -434,33 +434,65 @@ def resolve_defaults(cfg: Config) -> Config:
     return cfg
 
 
+def algorithm_output_dir(folder: str, algorithm: str) -> str:
+    """The run folder of a preset trained with another algorithm than its own:
+    ``runs/toy-digits`` -> ``runs/toy-digits-nft``."""
+    return f"{folder.rstrip('/')}-{algorithm}"
+
+
+def _check_recorded_preset(preset: str | None, recorded: Mapping[str, Any]) -> None:
+    if preset is None:
+        return
+    name = Path(preset).stem if _looks_like_path(preset) else preset
+    if name != recorded.get("preset"):
+        raise ConfigError(
+            f"the checkpoint's run used preset {recorded.get('preset')!r}, not {preset!r}: "
+            "leave the preset out (the run's recorded config.yaml is used; KEY=VALUE "
+            "overrides still apply)"
+        )
+
+
 def load_config(
     preset: str | None = None,
     overrides: Iterable[str] = (),
     *,
     check_paths: bool = True,
     command: str = "train",
+    recorded: Mapping[str, Any] | None = None,
 ) -> Config:
     """Defaults <- preset (name or YAML path; default ``toy-digits``) <- the preset's
     ``algorithms.<chosen algorithm>`` values <- overrides, validated.
+
+    ``recorded`` (a run's ``config.yaml``, ``flowgrpo.config.record``) replaces the preset as
+    the base; a ``preset`` given with it must be the one the run used. An ``algorithm=``
+    override that changes the preset's algorithm also changes the default run folder
+    (``algorithm_output_dir``), so that each algorithm's run gets its own folder.
 
     ``check_paths=False`` skips the checks that need the files (model.path required/existing,
     prompt files readable): ``flowgrpo config show`` and ``--help`` use it. ``command``
     ("train", "eval", "sample", "export") limits those checks to what the command reads.
     """
-    data, label = preset_dict(preset or DEFAULT_PRESET)
-    origin = label if Path(label).suffix else f"preset {label!r}"
-    overlays = _algorithm_overlays(data.pop(OVERLAYS, None), origin)
-    cfg = Config()
-    apply_mapping(cfg, data, "", origin)
-    if cfg.preset is None:
-        cfg.preset = label
     overrides = list(overrides)
-    chosen = _chosen_algorithm(overrides) or cfg.algorithm
-    if chosen in overlays:  # the preset's values for this algorithm; the overrides still win
-        apply_mapping(cfg, overlays[chosen], "", f"{origin} ({OVERLAYS}.{chosen})")
+    if recorded is not None:  # a run's config.yaml: the base, in place of the preset
+        _check_recorded_preset(preset, recorded)
+        cfg = Config()
+        apply_mapping(cfg, recorded, "", "the run's recorded config.yaml")
+    else:
+        data, label = preset_dict(preset or DEFAULT_PRESET)
+        origin = label if Path(label).suffix else f"preset {label!r}"
+        overlays = _algorithm_overlays(data.pop(OVERLAYS, None), origin)
+        cfg = Config()
+        apply_mapping(cfg, data, "", origin)
+        if cfg.preset is None:
+            cfg.preset = label
+        chosen = _chosen_algorithm(overrides) or cfg.algorithm
+        if chosen in overlays:  # the preset's values for this algorithm; the overrides win
+            apply_mapping(cfg, overlays[chosen], "", f"{origin} ({OVERLAYS}.{chosen})")
+    base_algorithm, default_dir = cfg.algorithm, cfg.run.output_dir
     for text in overrides:
         apply_override(cfg, text)
+    if recorded is None and cfg.algorithm != base_algorithm and cfg.run.output_dir == default_dir:
+        cfg.run.output_dir = algorithm_output_dir(default_dir, cfg.algorithm)
     resolve_defaults(cfg)
     validate(cfg, check_paths=check_paths, command=command)
     return cfg
@@ -517,6 +549,7 @@ def config_from_dict(data: Mapping[str, Any], *, check: bool = False) -> Config:
 
 __all__ = [
     "ALIASES",
+    "algorithm_output_dir",
     "apply_mapping",
     "apply_override",
     "config_from_dict",

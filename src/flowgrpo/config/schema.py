@@ -289,6 +289,11 @@ class TrainerConfig:
         "`auto` = newest complete checkpoint in `run.output_dir`, a path = that checkpoint, "
         "null = fresh run. Also settable as `resume=...`.",
     )
+    allow_config_change: bool = setting(
+        False,
+        "Resume even though run-defining settings (reward, algorithm and its section, model, "
+        "sampling, LoRA, ...: docs/training.md) differ from the checkpoint's `config.yaml`.",
+    )
     log_every: int = setting(
         1,
         "Without the progress bar, print a line every N steps; tensorboard / wandb get the "

@@ -61,6 +61,64 @@ def _check_prompt_file(key: str, path: str) -> None:
 
 
 COMMANDS = ("train", "eval", "sample", "export")
+#: the pipeline classes (model_index.json's ``_class_name``) each shipped preset is made for
+PRESET_PIPELINES = {
+    "toy-digits": ("ToyDigitsPipeline",),
+    "sd3-ocr": ("StableDiffusion3Pipeline",),
+    "qwen-image-ocr": ("QwenImagePipeline",),
+    "flux-pickscore": ("FluxPipeline",),
+    "wan-t2v-ocr": ("WanPipeline",),
+}
+#: reward options that name a file or folder (checked to exist before anything loads)
+_PATH_OPTION = ("path", "dir")
+
+
+def _check_model(cfg: Config, preset: str) -> None:
+    """model.path exists (a local folder, or a hub id in the local Hugging Face cache) and,
+    for a shipped preset, holds the pipeline the preset is made for."""
+    from flowgrpo.models.registry import read_model_index, resolve_model_path
+
+    try:
+        root = resolve_model_path(cfg.model.path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config key 'model.path': {e}") from None
+    if not root.exists():
+        raise ConfigError(f"config key 'model.path': {cfg.model.path} does not exist")
+    made_for = PRESET_PIPELINES.get(preset)
+    if made_for is None or not (root / "model_index.json").is_file():
+        return  # a custom preset, or not a pipeline folder (load_pipeline says so)
+    try:
+        found = read_model_index(root).get("_class_name")
+    except ValueError:
+        return
+    if found in made_for:
+        return
+    fits = [name for name, classes in PRESET_PIPELINES.items() if found in classes]
+    default = " (the default, used when no preset is named)" if preset == "toy-digits" else ""
+    advice = (
+        f"name the preset that fits it: flowgrpo train {fits[0]} model.path=..."
+        if fits
+        else "no shipped preset fits it; start a YAML file from the closest (docs/training.md)"
+    )
+    raise ConfigError(
+        f"config key 'model.path': {cfg.model.path} holds a {found}, but preset {preset!r}"
+        f"{default} is made for {', '.join(made_for)}: {advice}"
+    )
+
+
+def _check_reward_paths(cfg: Config) -> None:
+    """Every reward option naming a file or folder (``path``, ``*_path``, ``*_dir``) exists."""
+    for key, specs in (("reward", cfg.reward), ("eval_reward", cfg.eval_reward)):
+        for r in specs:
+            for name, value in r.options.items():
+                if not isinstance(value, str) or not value:
+                    continue
+                if name.rsplit("_", 1)[-1] not in _PATH_OPTION:
+                    continue
+                if not Path(value).expanduser().exists():
+                    raise ConfigError(
+                        f"config key '{key}.{r.label}.options.{name}': {value} does not exist"
+                    )
 
 
 def _check_paths(cfg: Config, command: str) -> None:
@@ -70,8 +128,8 @@ def _check_paths(cfg: Config, command: str) -> None:
             f"model.path is required for preset {preset!r}: point it at a local diffusers "
             "directory (model.path=/path/to/model)"
         )
-    if not m.path.startswith(BUILTIN) and not Path(m.path).expanduser().exists():
-        raise ConfigError(f"config key 'model.path': {m.path} does not exist")
+    if not m.path.startswith(BUILTIN):
+        _check_model(cfg, preset)
     needs_data = command == "train" or (command == "eval" and not d.eval_prompts)
     if needs_data and not d.train_prompts:
         raise ConfigError(
@@ -90,6 +148,7 @@ def _check_paths(cfg: Config, command: str) -> None:
                     f"reward {r.name!r} needs options.path, a local CLIPModel directory: "
                     f"set reward.{r.label}.options.path=/path/to/model"
                 )
+        _check_reward_paths(cfg)
     res = cfg.trainer.resume
     if command == "train" and res not in (None, "", "auto") and not Path(res).expanduser().exists():
         raise ConfigError(f"config key 'trainer.resume': checkpoint {res} does not exist")
@@ -103,8 +162,9 @@ def _check_paths(cfg: Config, command: str) -> None:
         if not resuming and not cfg.run.overwrite and holds_run(out):
             raise ConfigError(
                 f"run.output_dir {out} already holds a run (checkpoints or metrics.jsonl): "
-                "continue it with trainer.resume=auto, or start over with run.overwrite=true "
-                "(deletes that run's outputs, nothing else)"
+                "continue it with trainer.resume=auto, write this one elsewhere with "
+                "run.output_dir=DIR, or start over with run.overwrite=true (deletes that "
+                "run's outputs, nothing else)"
             )
 
 
@@ -126,6 +186,7 @@ def validate(cfg: Config, *, check_paths: bool = True, command: str = "train") -
 __all__ = [
     "BUILTIN",
     "COMMANDS",
+    "PRESET_PIPELINES",
     "PROMPT_SUFFIXES",
     "RUN_OUTPUTS",
     "holds_run",

@@ -10,6 +10,12 @@ Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when com
 - ``rng/rank_<r>.pt``: python, numpy, torch (and CUDA) RNG states of every rank.
 - ``trainer_state.json``: the trainer's ``extra`` dict (rank 0).
 - ``meta.json``: world size, step, LoRA or full; ``COMPLETE``: written last, before the rename.
+- the caller's text ``files`` (the trainer's ``config.yaml``: the run's resolved config).
+
+A checkpoint that does not fit the engine (other shapes or tensor names: another LoRA rank,
+target modules or model family) is refused in one line (``CheckpointMismatchError``), checked
+against the DCP metadata before anything loads; DCP's own multi-rank report (a BaseException)
+is turned into one line too.
 
 Loading never runs code from the checkpoint: the ``.pt`` files hold only tensors, numbers,
 strings and containers and are read with ``torch.load(weights_only=True)``; DCP's non-tensor
@@ -189,13 +195,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it holds a pickled {module}.{name}")
 
 
-def _check_dcp_metadata(path: Path) -> None:
+def _check_dcp_metadata(path: Path) -> Any:
     """DCP unpickles ``.metadata`` with plain pickle: unpickle it first with DCP's classes
-    allowed and nothing else, so a tampered file is refused before DCP reads it."""
+    allowed and nothing else, so a tampered file is refused before DCP reads it. Returns
+    the metadata."""
     file = path / ".metadata"
     try:
         with open(file, "rb") as f:
-            _MetadataUnpickler(f).load()
+            return _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} has no DCP {file.name} file") from None
     except Exception as e:
@@ -203,8 +210,16 @@ def _check_dcp_metadata(path: Path) -> None:
         raise _refuse(str(file), f"{why}, not only DCP's own metadata") from None
 
 
-def _write_files(engine, tmp: Path, step: int, extra: dict | None, run_id: str | None) -> None:
-    """Everything but the DCP shards: per-rank RNG, and (rank 0) engine/trainer state."""
+def _write_files(
+    engine,
+    tmp: Path,
+    step: int,
+    extra: dict | None,
+    run_id: str | None,
+    files: dict[str, str] | None = None,
+) -> None:
+    """Everything but the DCP shards: per-rank RNG, and (rank 0) engine/trainer state and the
+    caller's text ``files`` (name -> text, e.g. the run's config.yaml)."""
     rank = engine.dist.rank
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
@@ -231,6 +246,46 @@ def _write_files(engine, tmp: Path, step: int, extra: dict | None, run_id: str |
         "time": time.time(),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model it is loaded into (another LoRA rank, family)."""
+
+
+def _mismatch(path: Path, metadata: Any, state: dict[str, Any]) -> CheckpointMismatchError | None:
+    """The first difference between the tensors the engine expects (``state``, DCP's nested
+    dict) and those the checkpoint holds (its ``.metadata``), as one line; None if none."""
+    saved = getattr(metadata, "state_dict_metadata", {})
+    shapes, missing = [], []
+    for section, tensors in state.items():
+        if not isinstance(tensors, dict) or section == "optim":
+            continue
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            entry = saved.get(f"{section}.{name}")
+            size = getattr(entry, "size", None)
+            if entry is None:
+                missing.append(name)
+            elif size is not None and tuple(size) != tuple(t.shape):
+                shapes.append((name, tuple(size), tuple(t.shape)))
+    if shapes:
+        name, a, b = shapes[0]
+        more = f" (and {len(shapes) - 1} more)" if len(shapes) > 1 else ""
+        hint = "; another LoRA rank?" if "lora_" in name else ""
+        return CheckpointMismatchError(
+            f"checkpoint {path} does not match the model: {name} has shape {list(a)} in the "
+            f"checkpoint, {list(b)} in the model{more}{hint}"
+        )
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return CheckpointMismatchError(
+            f"checkpoint {path} does not match the model: it has no {missing[0]}{more}; "
+            "was it trained on another model family or with other LoRA target modules?"
+        )
+    return None
 
 
 def _write_marker(tmp: Path) -> None:
@@ -244,11 +299,13 @@ def save_checkpoint(
     extra: dict | None = None,
     keep_last: int | None = None,
     run_id: str | None = None,
+    files: dict[str, str] | None = None,
 ) -> Path:
     """Save to ``<root>/step_<step>`` (collective). Writes ``step_<step>.tmp``, marks it
     COMPLETE once every rank has written, then renames it; keeps the newest ``keep_last``
     complete checkpoints of the same ``run_id`` (None/0 = all; another run's checkpoints are
-    never pruned) and removes stale ``.tmp`` directories.
+    never pruned) and removes stale ``.tmp`` directories. ``files`` (name -> text) are
+    written beside the state by rank 0 (the trainer's config.yaml).
 
     Refuses (``TrainingDiverged``) to write non-finite weights. A write that fails (e.g. a
     full disk) removes its ``.tmp`` and raises ``RunError`` in one line; the previous
@@ -271,7 +328,7 @@ def save_checkpoint(
             tmp.mkdir(parents=True)
         fdist.barrier()
         dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
-        _write_files(engine, tmp, step, extra, run_id)
+        _write_files(engine, tmp, step, extra, run_id, files)
         fdist.barrier()
         if engine.dist.is_main:
             _write_marker(tmp)
@@ -301,6 +358,16 @@ def _first_os_error(e: BaseException) -> str:
     while cause.__cause__ is not None and not isinstance(cause, OSError):
         cause = cause.__cause__
     return " ".join(str(cause).split()) or type(cause).__name__
+
+
+def _first_failure(e: BaseException) -> str:
+    """The first rank's error inside DCP's multi-rank report, as one line."""
+    if isinstance(e, CheckpointException):
+        for err, _ in e.failures.values():
+            if isinstance(err, BaseException):
+                return _first_failure(err)
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines[0].split()) if lines else type(e).__name__
 
 
 def _complete_steps(root: Path) -> list[tuple[int, Path]]:
@@ -421,14 +488,16 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
         path = found
     meta = json.loads((path / "meta.json").read_text())
     if meta["lora"] != engine.use_lora:
-        raise ValueError(
-            f"checkpoint {path} has lora={meta['lora']}, engine lora={engine.use_lora}"
+        kinds = {True: "a LoRA", False: "a full fine-tune"}
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not match the model: it is {kinds[bool(meta['lora'])]}, "
+            f"the config is {kinds[bool(engine.use_lora)]} (lora.enabled={engine.use_lora})"
         )
     # Everything that is unpickled is checked before the engine is touched.
     es = _load_plain(path / "engine_state.pt", str(path / "engine_state.pt"))
     rng_file = path / "rng" / f"rank_{engine.dist.rank}.pt"
     rng = _load_plain(rng_file, str(rng_file), numpy_arrays=True) if rng_file.is_file() else None
-    _check_dcp_metadata(path)
+    metadata = _check_dcp_metadata(path)
     state = _dcp_state(engine)
     if meta["ema"] and "ema" not in state:
         warnings.warn(f"{path} holds EMA weights but EMA is off: ignoring them", stacklevel=2)
@@ -440,13 +509,19 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
                 f"{path} holds no '{name}' copy: starting it from the loaded weights", stacklevel=2
             )
             state.pop(f"shadow.{name}")
+    mismatch = _mismatch(path, metadata, state)
+    if mismatch is not None:
+        raise mismatch
     try:
         dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyPlanner(path))
-    except CheckpointException as e:  # DCP wraps every rank's error in a multi-line report
+    except CheckpointException as e:  # DCP wraps every rank's error in a multi-line report;
+        # it is a BaseException: turned into one line here, where checkpoints load
         refused = [x for x, _ in e.failures.values() if isinstance(x, UnsafeCheckpointError)]
         if refused:
             raise refused[0] from None
-        raise
+        raise CheckpointMismatchError(
+            f"cannot load checkpoint {path}: {_first_failure(e)}"
+        ) from None
     set_state_dict(
         engine.model,
         engine.optimizer,
@@ -489,6 +564,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
 __all__ = [
     "DIVERGED",
     "MARKER",
+    "CheckpointMismatchError",
     "ROLLOUT_OK",
     "UnsafeCheckpointError",
     "apply_configured_optim",

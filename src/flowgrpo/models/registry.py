@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,41 @@ BUILTIN_PIPELINES: dict[str, str] = {"toy-digits": "flowgrpo.toy.pipeline:shippe
 BUILTIN = "builtin:"
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """``org/name`` (one slash, no leading ``.``, ``/`` or ``~``): a Hugging Face hub id."""
+    return bool(_HUB_ID.fullmatch(text))
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local Hugging Face cache's snapshot of ``repo_id`` (no network: huggingface_hub's
+    offline lookup); FileNotFoundError saying how to download it when it is not cached."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise FileNotFoundError(
+            f"model.path '{repo_id}' is not a local folder, and as a Hugging Face hub id it is "
+            "not in the local cache: flowgrpo never downloads; download it first "
+            f"(`hf download {repo_id}`, or `huggingface-cli download {repo_id}`), then pass the "
+            "same model.path (or the folder)"
+        ) from None
+
+
 def resolve_model_path(path: str | Path) -> Path:
-    """A local directory, or ``builtin:NAME`` -> the shipped pipeline's directory."""
+    """A local directory; ``builtin:NAME`` -> the shipped pipeline's directory; a hub id
+    (``org/name``) that is not a local folder -> its snapshot in the local Hugging Face cache
+    (FileNotFoundError when it is not there)."""
     text = str(path)
     if not text.startswith(BUILTIN):
-        return Path(text).expanduser()
+        local = Path(text).expanduser()
+        if not local.exists() and looks_like_hub_id(text):
+            return hub_snapshot(text)
+        return local
     name = text[len(BUILTIN) :]
     if name not in BUILTIN_PIPELINES:
         raise ValueError(

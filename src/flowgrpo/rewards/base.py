@@ -230,6 +230,26 @@ def _tag(exc: BaseException, name: str) -> BaseException:
     return exc
 
 
+def takes_option(name_or_import_path: str, option: str) -> bool:
+    """Whether the reward named ``name_or_import_path`` accepts the option ``option``."""
+    obj = _resolve(name_or_import_path)
+    fn = obj.__init__ if isinstance(obj, type) else obj
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return option in params
+
+
+def _with_device(name: str, options: Mapping[str, Any], device: Any) -> dict[str, Any]:
+    """``options`` plus ``device`` (the run's) for a reward model that takes one and was not
+    given one: reward models run where the run runs unless told otherwise."""
+    out = dict(options)
+    if device is not None and "device" not in out and takes_option(name, "device"):
+        out["device"] = str(device)
+    return out
+
+
 class MultiReward:
     """Evaluate several rewards on one batch -> ``{name: Tensor[B] float32}``.
 
@@ -239,7 +259,7 @@ class MultiReward:
     KeyboardInterrupt), becomes ``RuntimeError("reward 'NAME' failed: ...")``.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec] | Any) -> None:
+    def __init__(self, specs: Sequence[RewardSpec] | Any, device: Any = None) -> None:
         self.specs = parse_reward_specs(specs)
         if not self.specs:
             raise ValueError("MultiReward needs at least one reward")
@@ -247,7 +267,9 @@ class MultiReward:
         for spec in self.specs:
             spec.check()
         self.fns: dict[str, RewardFn] = {
-            s.label: lift_to_video(build_reward(s.name, **s.options), s.frames, s.label)
+            s.label: lift_to_video(
+                build_reward(s.name, **_with_device(s.name, s.options, device)), s.frames, s.label
+            )
             for s in self.specs
         }
         self._keys: dict[str, list[str]] = {}  # label -> dict keys seen (dict rewards)

@@ -20,6 +20,7 @@ import torch
 
 from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.algorithms.base import RolloutPlan
+from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
 from flowgrpo.engine import dist as D
 from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
@@ -40,24 +41,37 @@ RATIO_METRICS = ("train/clipfrac", "train/ratio_mean", "train/log_ratio_mean")
 
 
 class Run:
-    """Everything built once from the config: adapter, engine, rewards, prompt streams."""
+    """Everything built once from the config: adapter, engine, rewards, prompt streams.
+    ``purpose`` "train" builds it all; "eval" only the eval prompts and the rewards;
+    "sample" and "export" neither prompts nor rewards."""
 
-    def __init__(self, cfg: Any, dist: D.DistInfo, prompts: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, cfg: Any, dist: D.DistInfo, purpose: str = "train", prompts: tuple[str, ...] = ()
+    ) -> None:
         self.cfg, self.dist = cfg, dist
         quiet_known_noise(dist.is_main)  # loading bars from rank 0, known-harmless warnings
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         self.adapter = S.build_adapter_for(cfg, dist)
         self.engine, self.algorithm = S.build_engine(cfg, self.adapter, dist)
-        self.reward = S.build_rewards(cfg.reward)
-        self.eval_reward = S.build_rewards(cfg.eval_reward)  # eval only, the whole set at once
-        self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
-        sets = [self.train_data.prompts, self.eval_set.prompts, list(prompts)]
+        self.reward = self.eval_reward = self.train_data = self.sampler = self.eval_set = None
+        if purpose in ("train", "eval"):
+            self.reward = S.build_rewards(cfg.reward, dist.device)
+            # eval only, the whole set at once
+            self.eval_reward = S.build_rewards(cfg.eval_reward, dist.device)
+            if purpose == "train":
+                self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
+            else:
+                self.eval_set = S.build_eval_data(cfg)
+        sets = [list(prompts)]  # every prompt this run encodes reaches the embedding cache
+        sets += [d.prompts for d in (self.train_data, self.eval_set) if d is not None]
         S.prepare_prompt_cache(cfg, self.adapter, dist, sets)
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
-        self.grid_index, self.grid_cols = S.grid_layout(
-            len(self.eval_set), cfg.data.eval_samples_per_prompt
-        )
+        self.grid_index, self.grid_cols = set(), 1
+        if self.eval_set is not None:
+            self.grid_index, self.grid_cols = S.grid_layout(
+                len(self.eval_set), cfg.data.eval_samples_per_prompt
+            )
         # the checkpoint holding the current weights (None: changed since), whether a rollout
         # from them was finite, and where the run's checkpoints go (None: not training)
         self.checkpoint: Path | None = None
@@ -375,8 +389,15 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     if dist.world_size % cfg.fsdp.sp_degree == 0:  # a clear error before the folder or model
         S.shard(S.global_batch_size(cfg), 0, dist.world_size // cfg.fsdp.sp_degree)
     out = S.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
-    run = Run(cfg, dist)
     ckpt_root = out / "checkpoints"
+    resume_from = S.resolve_resume(tr.resume, ckpt_root)
+    if resume_from is not None:  # before anything heavy loads
+        check_resume(cfg, resume_from)
+    record = record_text(cfg)  # config.yaml of the run folder and of each checkpoint
+    if dist.is_main:
+        (out / RUN_CONFIG).write_text(record)
+    run = Run(cfg, dist)
+    run.ckpt_root = ckpt_root
     from flowgrpo.engine.checkpoint import (
         ROLLOUT_OK,
         load_checkpoint,
@@ -386,8 +407,6 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     )
 
     state: dict[str, Any] = {"step": 0, "samples": 0, "base_eval": None}
-    resume_from = S.resolve_resume(tr.resume, ckpt_root)
-    run.ckpt_root = ckpt_root
     if resume_from is not None:
         _, extra = load_checkpoint(run.engine, resume_from)
         run.checkpoint = resume_from
@@ -465,6 +484,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
                 extra=dict(state),
                 keep_last=tr.keep_last,
                 run_id=state["run_id"],
+                files={RUN_CONFIG: record},
             )
             checkpoint_s = time.perf_counter() - t
             if run.rollout_ok and dist.is_main:  # this step's eval was finite: a good one
@@ -503,8 +523,10 @@ def _due(step: int, every: int, last: int) -> bool:
 # -- sample / eval / export from a checkpoint --------------------------------------------------
 
 
-def _restored(cfg: Any, checkpoint: str | Path | None, prompts: tuple[str, ...] = ()) -> Run:
-    run = Run(cfg, D.init_distributed(), prompts)
+def _restored(
+    cfg: Any, checkpoint: str | Path | None, purpose: str, prompts: tuple[str, ...] = ()
+) -> Run:
+    run = Run(cfg, D.init_distributed(), purpose, prompts)
     if checkpoint is not None:
         from flowgrpo.engine.checkpoint import load_checkpoint
 
@@ -520,7 +542,7 @@ def run_sample(
     made which file; sample i's noise comes from (seed, i)."""
     if not prompts:
         raise ValueError("run_sample needs at least one prompt")
-    run = _restored(cfg, checkpoint, tuple(prompts))  # prompts reach the embedding cache
+    run = _restored(cfg, checkpoint, "sample", tuple(prompts))  # prompts reach the cache
     with run.ema():
         images = rollout(run, list(prompts), list(range(len(prompts))), S.SAMPLE_SALT, eval=True)
     if not run.dist.is_main:
@@ -530,18 +552,20 @@ def run_sample(
 
 def run_eval(cfg: Any, checkpoint: str | Path | None) -> dict[str, float]:
     """Eval metrics (``eval/...``) of the base model or a checkpoint on the eval prompts."""
-    return evaluate(_restored(cfg, checkpoint))[0]
+    return evaluate(_restored(cfg, checkpoint, "eval"))[0]
 
 
 def run_export_lora(
-    cfg: Any, checkpoint: str | Path, out_file: str | Path, *, full: bool = False
+    cfg: Any, checkpoint: str | Path, out_file: str | Path, *, full: bool = False, raw: bool = False
 ) -> Path:
     """Write the checkpoint's LoRA as a diffusers-loadable safetensors file, or with ``full``
-    the whole transformer (LoRA merged) as a diffusers ``save_pretrained`` directory."""
+    the whole transformer (LoRA merged) as a diffusers ``save_pretrained`` directory. A run
+    with EMA exports its EMA weights (what eval and sample use) unless ``raw``."""
     if not full and not cfg.lora.enabled:
         raise ValueError(
             "this run is a full fine-tune (lora.enabled=false): there is no LoRA to export; "
             "add --full to write the whole transformer with save_pretrained"
         )
-    engine = _restored(cfg, checkpoint).engine
-    return Path(engine.save_full(out_file) if full else engine.export_lora(out_file))
+    run = _restored(cfg, checkpoint, "export")
+    with run.ema(not raw):
+        return Path(run.engine.save_full(out_file) if full else run.engine.export_lora(out_file))

@@ -119,12 +119,13 @@ def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> tuple[Any, Any]:
     return engine, algo_cls(cfg, engine, adapter)
 
 
-def build_rewards(specs: Any) -> Any:
+def build_rewards(specs: Any, device: torch.device | str | None = None) -> Any:
     """MultiReward from a list of RewardSpec (``cfg.reward`` or ``cfg.eval_reward``); None for
-    an empty list."""
+    an empty list. Reward models that take a ``device`` option run on ``device`` (the run's)
+    unless their options say otherwise."""
     from flowgrpo.rewards import MultiReward
 
-    return MultiReward(specs) if specs else None
+    return MultiReward(specs, device=device) if specs else None
 
 
 def build_data(cfg: Any) -> tuple[Any, Any, Any]:
@@ -141,6 +142,22 @@ def build_data(cfg: Any) -> tuple[Any, Any, Any]:
         shuffle=cfg.data.shuffle,
     )
     return train, sampler, repeat_for_eval(ev, cfg.data.eval_samples_per_prompt)
+
+
+def build_eval_data(cfg: Any) -> Any:
+    """The eval PromptDataset alone (``flowgrpo eval``): ``data.eval_prompts`` when given (no
+    training prompts needed), else the split ``build_data`` makes; each prompt repeated
+    ``data.eval_samples_per_prompt`` times."""
+    from flowgrpo.data.prompts import load_prompts, prompt_splits, repeat_for_eval
+
+    d = cfg.data
+    if d.eval_prompts:
+        ev = load_prompts(d.eval_prompts)
+        if 0 < d.eval_num_prompts < len(ev):
+            ev = ev.subset(range(d.eval_num_prompts))
+    else:
+        ev = prompt_splits(d, cfg.seed)[1]
+    return repeat_for_eval(ev, d.eval_samples_per_prompt)
 
 
 def global_batch_size(cfg: Any) -> int:
