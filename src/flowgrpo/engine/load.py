@@ -18,11 +18,12 @@ dtype (fp32 masters for what trains), so the loaded shards equal the old path bi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -34,35 +35,82 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
 
 
+#: safetensors' dtype names
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor in a safetensors file: dtype and shape, and where its bytes start."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+
+    def read(self, f: BinaryIO, rows: slice | None = None) -> torch.Tensor:
+        """The tensor, or its rows ``rows`` (dim 0): only those bytes are read from ``f``."""
+        shape = self.shape
+        r0, r1 = (0, shape[0] if shape else 1) if rows is None else (rows.start, rows.stop)
+        inner = math.prod(shape[1:])
+        out = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=self.dtype)
+        if out.numel():
+            itemsize = out.element_size()
+            f.seek(self.start + r0 * inner * itemsize)
+            f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        return out
+
+
+def read_header(path: Path) -> dict[str, Stored]:
+    """{key: Stored} from a safetensors file's header (the tensors are not read)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {
+        key: Stored(path, ST_DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + e["data_offsets"][0])
+        for key, e in header.items()
+    }
+
+
 @dataclass
 class WeightFiles:
-    """Where the weights of a module built empty live: ``files`` {state-dict key: safetensors
-    file}; ``dtypes`` {key: the dtype diffusers' ``from_pretrained`` loads it in}."""
+    """Where the weights of a module built empty live: ``stored`` {state-dict key: Stored};
+    ``dtypes`` {key: the dtype diffusers' ``from_pretrained`` loads it in}."""
 
     folder: Path
-    files: dict[str, Path]
+    stored: dict[str, Stored]
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
-def weight_files(folder: str | Path) -> dict[str, Path] | None:
-    """{key: file} of a diffusers model folder's safetensors weights (one file, or several with
-    their ``.index.json``); None when the folder has neither (e.g. .bin weights)."""
+def weight_files(folder: str | Path) -> dict[str, Stored] | None:
+    """{key: Stored} of a diffusers model folder's safetensors weights (one file, or several
+    with their ``.index.json``); None when the folder has neither (e.g. .bin weights)."""
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: folder / f for k, f in weight_map.items()}
-    single = folder / WEIGHTS_NAME
-    if not single.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS_NAME).is_file():
+        names = [WEIGHTS_NAME]
+    else:
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _is_float(st_dtype: str) -> bool:
-    return st_dtype.startswith(("F", "BF"))  # F16, F32, BF16, F8_E4M3, ...
+    out: dict[str, Stored] = {}
+    for name in names:
+        out.update(read_header(folder / name))
+    return out
 
 
 def build_empty(cls: type, folder: str | Path, dtype: torch.dtype | None) -> nn.Module:
@@ -71,7 +119,6 @@ def build_empty(cls: type, folder: str | Path, dtype: torch.dtype | None) -> nn.
     has no safetensors weights or lacks a parameter."""
     from accelerate import init_empty_weights
     from diffusers.models.modeling_utils import no_init_weights
-    from safetensors import safe_open
 
     folder = Path(folder)
     files = weight_files(folder)
@@ -92,32 +139,27 @@ def build_empty(cls: type, folder: str | Path, dtype: torch.dtype | None) -> nn.
     if missing:
         raise ValueError(f"{folder}: the weights lack {missing[0]} ({len(missing)} missing)")
     dtypes: dict[str, torch.dtype] = {}
-    by_file: dict[Path, list[str]] = {}
-    for key in state:
-        if key in files:
-            by_file.setdefault(files[key], []).append(key)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                old = state[key]
-                if dtype is None:
-                    target = old.dtype
-                elif not _is_float(f.get_slice(key).get_dtype()):
-                    target = None  # ints stay as stored
-                elif any(m in key.split(".") for m in keep):
-                    target = torch.float32
-                else:
-                    target = dtype
-                module_name, _, leaf = key.rpartition(".")
-                module = model.get_submodule(module_name)
-                if key in params:
-                    dtypes[key] = target or old.dtype
-                    if target is not None and old.dtype != target:
-                        old.data = old.data.to(target)  # meta: no memory
-                else:  # a persistent buffer: read whole, as diffusers does
-                    value = f.get_tensor(key)
-                    value = value.to(target) if target is not None else value
-                    module._buffers[leaf] = value.contiguous() if old.is_contiguous() else value
+    for key, old in state.items():
+        stored = files.get(key)
+        if stored is None:
+            continue  # a buffer the file lacks keeps its constructed value, as in diffusers
+        if dtype is None:
+            target = old.dtype
+        elif not stored.dtype.is_floating_point:
+            target = stored.dtype  # ints stay as stored
+        elif any(m in key.split(".") for m in keep):
+            target = torch.float32
+        else:
+            target = dtype
+        if key in params:
+            dtypes[key] = target
+            if old.dtype != target:
+                old.data = old.data.to(target)  # meta: no memory
+        else:  # a persistent buffer: read whole, as diffusers does (buffers are small)
+            module_name, _, leaf = key.rpartition(".")
+            with open(stored.path, "rb") as f:
+                value = stored.read(f).to(target)
+            model.get_submodule(module_name)._buffers[leaf] = value
     model.register_to_config(_name_or_path=str(folder))
     model.eval()
     setattr(model, WEIGHTS_ATTR, WeightFiles(folder, files, dtypes))
@@ -181,7 +223,7 @@ def file_key(name: str, sources: list[tuple[str, WeightFiles]]) -> tuple[WeightF
     for prefix, wf in sources:
         if name.startswith(prefix):
             key = name[len(prefix) :].replace(".base_layer.", ".")
-            if key in wf.files:
+            if key in wf.stored:
                 return wf, key
     raise KeyError(f"no weight file holds parameter {name!r}")
 
@@ -202,8 +244,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     ``device`` (``to_empty``) and fill it from the safetensors files: only this rank's slice
     of each tensor is read, cast file dtype -> load dtype -> parameter dtype. Parameters
     that were not on the meta device (new LoRA layers) and all buffers keep their values."""
-    from safetensors import safe_open
-
     sources = _sources(model)
     kept = {n: _local(p).clone() for n, p in model.named_parameters() if not p.is_meta}
     buffers = [(model.get_submodule(n.rpartition(".")[0]), n) for n, _ in model.named_buffers()]
@@ -212,21 +252,27 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     for module, leaf, value in buffers:  # to_empty emptied them too
         module._buffers[leaf] = value
     with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
+        handles: dict[Path, BinaryIO] = {}
         for name, p in model.named_parameters():
             shard = _local(p)
             if name in kept:
                 shard.copy_(kept[name])
                 continue
             wf, key = file_key(name, sources)
+            stored = wf.stored[key]
+            if tuple(p.shape) != stored.shape:
+                raise ValueError(
+                    f"{wf.folder}: {key} has shape {stored.shape}, not {tuple(p.shape)}"
+                )
             if shard.numel() == 0:
                 continue
-            path = wf.files[key]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-            f = handles[path]
-            value = f.get_slice(key)[local_region(p)] if p.ndim else f.get_tensor(key)
-            shard.copy_(value.to(wf.dtypes[key]).reshape(shard.shape))
+            if stored.path not in handles:
+                handles[stored.path] = stack.enter_context(open(stored.path, "rb"))
+            region = local_region(p)
+            if any(r != slice(0, n) for r, n in zip(region[1:], p.shape[1:], strict=True)):
+                raise NotImplementedError(f"{name}: only dim-0 shards are read ({region})")
+            value = stored.read(handles[stored.path], region[0] if p.ndim else None)
+            shard.copy_(value.to(wf.dtypes[key]))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -246,6 +292,8 @@ def move_components(pipe: Any, device: torch.device) -> None:
 
 
 __all__ = [
+    "ST_DTYPES",
+    "Stored",
     "WeightFiles",
     "adapters_beside_meta",
     "build_empty",
@@ -254,5 +302,6 @@ __all__ = [
     "local_region",
     "materialize",
     "move_components",
+    "read_header",
     "weight_files",
 ]
