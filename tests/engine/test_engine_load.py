@@ -64,6 +64,41 @@ def test_missing_weight_is_a_clear_error(saved, tmp_path):
         load_pipeline(path, empty_trained=True)
 
 
+def test_wrong_shape_is_a_clear_error(saved, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from flowgrpo.models.registry import load_pipeline
+
+    path = tmp_path / "sd3"
+    shutil.copytree(saved["sd3"], path)
+    file = path / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(file)
+    state["proj_out.weight"] = state["proj_out.weight"][:-1]
+    save_file(state, file)
+    with pytest.raises(ValueError, match="proj_out.weight has shape"):
+        load_pipeline(path, empty_trained=True)
+
+
+def test_weights_in_several_files_with_an_index(dist1, saved, tmp_path):
+    """A transformer saved in several safetensors files (``.index.json``) loads the same."""
+    import shutil
+
+    from diffusers import SD3Transformer2DModel
+
+    path = tmp_path / "sd3"
+    shutil.copytree(saved["sd3"], path)
+    folder = path / "transformer"
+    model = SD3Transformer2DModel.from_pretrained(folder)
+    shutil.rmtree(folder)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert len(list(folder.glob("*.safetensors"))) > 3
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    out = load_ranks.compare(path, "full")
+    assert out["loaded"] == [] and out["trained"] == []
+
+
 def test_two_ranks_equal_whole_model_path(saved, tmp_path):
     """Every case of load_ranks.CASES on 2 ranks (SP, HSDP, CPU offload among them); and each
     rank reads about half of the transformer's bytes (twice: the reference is read too)."""

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flowgrpo.engine.ema import local
+
 #: the attribute ``build_empty`` sets on a module built empty (read by ``materialize``)
 WEIGHTS_ATTR = "_flowgrpo_weights"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -151,6 +153,10 @@ def build_empty(cls: type, folder: str | Path, dtype: torch.dtype | None) -> nn.
             target = torch.float32
         else:
             target = dtype
+        if tuple(old.shape) != stored.shape:
+            raise ValueError(
+                f"{folder}: {key} has shape {stored.shape}, expected {tuple(old.shape)}"
+            )
         if key in params:
             dtypes[key] = target
             if old.dtype != target:
@@ -245,7 +251,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     of each tensor is read, cast file dtype -> load dtype -> parameter dtype. Parameters
     that were not on the meta device (new LoRA layers) and all buffers keep their values."""
     sources = _sources(model)
-    kept = {n: _local(p).clone() for n, p in model.named_parameters() if not p.is_meta}
+    kept = {n: local(p).clone() for n, p in model.named_parameters() if not p.is_meta}
     buffers = [(model.get_submodule(n.rpartition(".")[0]), n) for n, _ in model.named_buffers()]
     buffers = [(m, n.rpartition(".")[2], m._buffers[n.rpartition(".")[2]]) for m, n in buffers]
     model.to_empty(device=device)
@@ -254,16 +260,12 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     with ExitStack() as stack:
         handles: dict[Path, BinaryIO] = {}
         for name, p in model.named_parameters():
-            shard = _local(p)
+            shard = local(p)
             if name in kept:
                 shard.copy_(kept[name])
                 continue
             wf, key = file_key(name, sources)
             stored = wf.stored[key]
-            if tuple(p.shape) != stored.shape:
-                raise ValueError(
-                    f"{wf.folder}: {key} has shape {stored.shape}, not {tuple(p.shape)}"
-                )
             if shard.numel() == 0:
                 continue
             if stored.path not in handles:
@@ -273,10 +275,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 raise NotImplementedError(f"{name}: only dim-0 shards are read ({region})")
             value = stored.read(handles[stored.path], region[0] if p.ndim else None)
             shard.copy_(value.to(wf.dtypes[key]))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def move_components(pipe: Any, device: torch.device) -> None:
