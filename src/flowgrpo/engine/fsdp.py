@@ -103,7 +103,10 @@ class DiffusersFSDPEngine:
     ``config``: an ``EngineConfig``, or the run config itself: anything with the sections
     ``lora``, ``optim``, ``fsdp``, ``ema`` and a ``seed`` (read as they are, never copied).
     ``reference``: keep a frozen copy of the initial weights as the reference policy (a full
-    fine-tune with a KL term; under LoRA the reference is the adapter switched off). Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
+    fine-tune with a KL term; under LoRA the reference is the adapter switched off). A transformer
+    built on the meta device (``load_pipeline(..., empty_trained=True)``) is wrapped and sharded
+    there, then each rank's shards are read from its files (``flowgrpo.engine.load``), the
+    reference's too: no rank holds it whole. Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
     ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (updates finished),
     ``optimizer_steps`` (applied updates), ``generator`` (shuffling; identical on all ranks).
     """
