@@ -34,6 +34,7 @@ TARGETS = {
     "time_ratio_over_kept_fraction": ("<=", 1.1),
     "two_rank_per_sample_over_one_rank": ("<=", 1.2),
     "sp2_peak_over_sp1": ("<=", 0.6),
+    "sharded_over_floor": ("<=", 1.2),
 }
 
 
@@ -362,7 +363,8 @@ def machine_info() -> dict[str, object]:
 def check_targets(results: dict) -> list[dict[str, object]]:
     """Flatten every ratio that has a target into rows (kind, figure, value, target, met)."""
     rows = []
-    for section in ("rollout", "batched_cfg", "training", "zero_advantage", "sharding", "sp"):
+    sections = ("rollout", "batched_cfg", "training", "zero_advantage", "sharding", "sp", "memory")
+    for section in sections:
         for kind, figures in results.get(section, {}).items():
             for name, value in figures.items():
                 if name in TARGETS:
@@ -390,9 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
     parser.add_argument(
         "--sections",
-        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,toy,algorithms",
+        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,memory,toy,algorithms",
         help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
-        "sp,toy,algorithms",
+        "sp,memory,toy,algorithms",
     )
     args = parser.parse_args(argv)
     s = replace(QUICK if args.quick else BenchSettings(), device=args.device)
@@ -428,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sp import bench_sp
 
         results["sp"] = bench_sp(kinds, quick=args.quick, repeats=min(s.repeats, 3))
+    if "memory" in sections:  # per-rank peak of loading + one step against the sharded floor
+        from bench.memory import bench_memory
+
+        results["memory"] = bench_memory(quick=args.quick)
     if "toy" in sections:
         from bench.toy import bench_toy
 

@@ -64,7 +64,7 @@ def test_quick_benchmark_writes_every_field(tmp_path):
                 "--out",
                 str(out),
                 "--sections",
-                "rollout,batched_cfg,training,zero_advantage,sharding,sp,toy",
+                "rollout,batched_cfg,training,zero_advantage,sharding,sp,memory,toy",
             ]
         )
         == 0
@@ -84,6 +84,9 @@ def test_quick_benchmark_writes_every_field(tmp_path):
     assert ZERO_ADVANTAGE <= set(results["zero_advantage"]["sd3"])
     assert results["zero_advantage"]["sd3"]["kept_fraction"] == 0.5
     assert "two_rank_per_sample_over_one_rank" in results["sharding"]["sd3"]
+    memory = results["memory"]["full_2rank"]
+    assert {"floor_mb", "sharded_rss_peak_mb", "sharded_one_block_rss_peak_mb"} <= set(memory)
+    assert memory["sharded_rss_peak_mb"] > 0 and "sharded_over_floor" in memory
     toy = results["toy"]
     assert {"wall_s", "peak_rss_mb", "steps", "base_accuracy", "final_accuracy"} <= set(toy)
     assert toy["steps"] == 2 and toy["peak_rss_mb"] > 0

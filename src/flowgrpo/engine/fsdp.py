@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.config import EngineConfig
 from flowgrpo.engine.ema import EMA, ParamShadow, local
+from flowgrpo.engine.load import adapters_beside_meta, is_empty, materialize
 from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
 from flowgrpo.settings import check_section
@@ -102,7 +103,10 @@ class DiffusersFSDPEngine:
     ``config``: an ``EngineConfig``, or the run config itself: anything with the sections
     ``lora``, ``optim``, ``fsdp``, ``ema`` and a ``seed`` (read as they are, never copied).
     ``reference``: keep a frozen copy of the initial weights as the reference policy (a full
-    fine-tune with a KL term; under LoRA the reference is the adapter switched off). Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
+    fine-tune with a KL term; under LoRA the reference is the adapter switched off). A transformer
+    built on the meta device (``load_pipeline(..., empty_trained=True)``) is wrapped and sharded
+    there, then each rank's shards are read from its files (``flowgrpo.engine.load``), the
+    reference's too: no rank holds it whole. Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
     ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (updates finished),
     ``optimizer_steps`` (applied updates), ``generator`` (shuffling; identical on all ranks).
     """
@@ -131,9 +135,12 @@ class DiffusersFSDPEngine:
         self.param_dtype = resolve_dtype(cfg.fsdp.param_dtype, device)
         self.reduce_dtype = resolve_dtype(cfg.fsdp.reduce_dtype, device)
 
+        # built on the meta device (flowgrpo.engine.load): shards are allocated and read from
+        # the model's files after sharding, so no rank ever holds the whole model
+        empty = is_empty(model)
         self._ref_model: nn.Module | None = None
         if not self.use_lora and reference:  # LoRA's reference is the adapter switched off
-            self._ref_model = copy.deepcopy(model).requires_grad_(False)
+            self._ref_model = copy.deepcopy(model).requires_grad_(False)  # meta: no memory
         if self.use_lora:
             model.requires_grad_(False)
             self._add_lora(model)
@@ -164,6 +171,11 @@ class DiffusersFSDPEngine:
         self._shard(model)
         if self._ref_model is not None:
             self._shard(self._ref_model)
+        if empty:
+            init_device = "cpu" if fs.cpu_offload else device
+            for m in (model, self._ref_model):
+                if m is not None:
+                    materialize(m, init_device)
         self.model = model
 
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -215,7 +227,8 @@ class DiffusersFSDPEngine:
             torch.manual_seed(self.config.seed)
             if self.dist.device.type == "cuda":
                 torch.cuda.manual_seed(self.config.seed)
-            model.add_adapter(peft_cfg)
+            with adapters_beside_meta():  # a meta base keeps its new LoRA on the host
+                model.add_adapter(peft_cfg)
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
 

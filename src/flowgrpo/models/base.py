@@ -109,6 +109,13 @@ class DiffusionAdapter(ABC):
     def __init__(self, pipe: Any):
         self.pipe = pipe
 
+    @classmethod
+    def trained_components(cls, model_index: dict[str, Any]) -> tuple[str, ...]:
+        """The pipeline components the engine trains, by their ``model_index.json`` names:
+        ``load_pipeline`` builds them on the meta device and the engine loads each rank's
+        shards. The transformer; a family that trains more (Wan2.2's second expert) adds it."""
+        return ("transformer",)
+
     # -- what the engine and trainer need to know ------------------------------------------
     @property
     def transformer(self) -> torch.nn.Module:

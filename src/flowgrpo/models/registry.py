@@ -129,7 +129,9 @@ def read_model_index(path: str | Path) -> dict[str, Any]:
     return index_data
 
 
-def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -> Any:
+def load_pipeline(
+    path: str | Path, *, torch_dtype: torch.dtype | None = None, empty_trained: bool = False
+) -> Any:
     """Load a supported diffusers pipeline from a local directory or a built-in one
     (``builtin:toy-digits``; never downloads).
 
@@ -137,8 +139,14 @@ def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -
     A class diffusers does not ship (``ToyDigitsPipeline``) is taken from its adapter's module.
     An adapter's optional ``prepare_pipeline(pipe)`` is applied last (Wan: the hub's UniPC
     scheduler becomes the flow-matching Euler scheduler with the same shift).
+
+    ``empty_trained``: the components the adapter trains (``trained_components``) are built
+    on the meta device instead (``flowgrpo.engine.load.build_empty``, no weight read) for the
+    engine to load sharded; a pipeline diffusers does not ship, or a component without
+    safetensors weights, loads whole.
     """
-    name = read_model_index(path).get("_class_name")
+    index = read_model_index(path)
+    name = index.get("_class_name")
     if name not in SUPPORTED_PIPELINES:
         raise ValueError(
             f"model.path '{path}' holds an unsupported pipeline {name!r}; supported: {_supported()}"
@@ -153,8 +161,36 @@ def load_pipeline(path: str | Path, *, torch_dtype: torch.dtype | None = None) -
     kwargs: dict[str, Any] = {"local_files_only": True}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
-    pipe = cls.from_pretrained(str(resolve_model_path(path)), **kwargs)
     module_name, _, attr = SUPPORTED_PIPELINES[name].partition(":")
     adapter_cls = getattr(importlib.import_module(module_name), attr, None)
+    root = resolve_model_path(path)
+    if empty_trained and getattr(diffusers, name, None) is not None:
+        kwargs.update(
+            _empty_components(root, index, adapter_cls.trained_components(index), torch_dtype)
+        )
+    pipe = cls.from_pretrained(str(root), **kwargs)
     prepare = getattr(adapter_cls, "prepare_pipeline", None)
     return pipe if prepare is None else prepare(pipe)
+
+
+def _empty_components(
+    root: Path, index: dict[str, Any], names: tuple[str, ...], dtype: torch.dtype | None
+) -> dict[str, Any]:
+    """{component: the module built on the meta device} for each of ``names`` the folder holds
+    as safetensors (the others load whole)."""
+    from flowgrpo.engine.load import build_empty, weight_files
+
+    out: dict[str, Any] = {}
+    for component in names:
+        entry = index.get(component)
+        if (
+            not isinstance(entry, list)
+            or entry[0] is None
+            or weight_files(root / component) is None
+        ):
+            continue
+        library, class_name = entry
+        out[component] = build_empty(
+            getattr(importlib.import_module(library), class_name), root / component, dtype
+        )
+    return out

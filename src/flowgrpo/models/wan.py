@@ -121,6 +121,13 @@ class WanAdapter(DiffusionAdapter):
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         self.num_frames = self.check_num_frames(num_frames)
 
+    @classmethod
+    def trained_components(cls, model_index: dict[str, Any]) -> tuple[str, ...]:
+        """Wan2.2 (a ``boundary_ratio``) trains both experts; Wan2.1 its transformer."""
+        if model_index.get("boundary_ratio") is None:
+            return ("transformer",)
+        return ("transformer", "transformer_2")
+
     @staticmethod
     def prepare_pipeline(pipe: Any) -> Any:
         """What ``load_pipeline`` applies after loading: the Euler scheduler (``use_flow_match``)."""

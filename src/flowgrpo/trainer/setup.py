@@ -52,9 +52,11 @@ def group_generators(
 
 def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     """The pipeline at ``model.path`` (a local diffusers directory or a built-in one) wrapped
-    in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32).
+    in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32);
+    the trained transformer(s) on the meta device, for ``build_engine`` to load sharded.
     ``model.true_cfg_scale`` / ``max_sequence_length`` / ``num_frames`` / ``guidance_scale_2``
     go to adapters that take them (a clear error for one that does not)."""
+    from flowgrpo.engine.load import move_components
     from flowgrpo.models.registry import adapter_options, build_adapter, load_pipeline
 
     m = cfg.model
@@ -63,9 +65,10 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
         dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     if not m.path:
         raise ValueError("model.path is required: a local diffusers directory or builtin:NAME")
-    pipe = load_pipeline(m.path, torch_dtype=dtype)
+    # the trained transformer(s) stay on the meta device: the engine loads each rank's shards
+    pipe = load_pipeline(m.path, torch_dtype=dtype, empty_trained=True)
     if dist.device.type != "cpu":
-        pipe.to(dist.device)
+        move_components(pipe, dist.device)
     options = {"true_cfg_scale": m.true_cfg_scale, "max_sequence_length": m.max_sequence_length}
     options = {k: v for k, v in options.items() if v not in (None, 1.0)}
     options.update(

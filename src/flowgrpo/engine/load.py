@@ -1,0 +1,305 @@
+"""Sharded construction and loading of the trained transformer(s), apart from the step code.
+
+torchtitan's order: build the model on the meta device, apply LoRA and ``fully_shard`` there,
+then allocate only this rank's shards (``to_empty``) and fill them from the model folder's
+safetensors files, reading only the slices this rank holds. No rank ever holds a whole
+transformer, on the host or on a device.
+
+``build_empty`` (called by ``load_pipeline`` for the components the adapter trains) builds a
+module exactly as diffusers' ``from_pretrained`` does (same construction contexts and default
+dtype, so non-persistent buffers and plain tensors are bit-identical; persistent buffers read
+from the file), except that its parameters stay on the meta device in the dtype diffusers would
+load them in, and tags it with where each weight lives (``WeightFiles``). The engine then calls
+``materialize`` after sharding. Values are cast as today's whole-model path casts them: file
+dtype -> the load dtype (``model.dtype``, fp32 for ``_keep_in_fp32_modules``) -> the parameter's
+dtype (fp32 masters for what trains), so the loaded shards equal the old path bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flowgrpo.engine.ema import local
+
+#: the attribute ``build_empty`` sets on a module built empty (read by ``materialize``)
+WEIGHTS_ATTR = "_flowgrpo_weights"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
+
+
+#: safetensors' dtype names
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor in a safetensors file: dtype and shape, and where its bytes start."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+
+    def read(self, f: BinaryIO, rows: slice | None = None) -> torch.Tensor:
+        """The tensor, or its rows ``rows`` (dim 0): only those bytes are read from ``f``."""
+        shape = self.shape
+        r0, r1 = (0, shape[0] if shape else 1) if rows is None else (rows.start, rows.stop)
+        inner = math.prod(shape[1:])
+        out = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=self.dtype)
+        if out.numel():
+            itemsize = out.element_size()
+            f.seek(self.start + r0 * inner * itemsize)
+            f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        return out
+
+
+def read_header(path: Path) -> dict[str, Stored]:
+    """{key: Stored} from a safetensors file's header (the tensors are not read)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {
+        key: Stored(path, ST_DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + e["data_offsets"][0])
+        for key, e in header.items()
+    }
+
+
+@dataclass
+class WeightFiles:
+    """Where the weights of a module built empty live: ``stored`` {state-dict key: Stored};
+    ``dtypes`` {key: the dtype diffusers' ``from_pretrained`` loads it in}."""
+
+    folder: Path
+    stored: dict[str, Stored]
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+
+def weight_files(folder: str | Path) -> dict[str, Stored] | None:
+    """{key: Stored} of a diffusers model folder's safetensors weights (one file, or several
+    with their ``.index.json``); None when the folder has neither (e.g. .bin weights)."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS_NAME).is_file():
+        names = [WEIGHTS_NAME]
+    else:
+        return None
+    out: dict[str, Stored] = {}
+    for name in names:
+        out.update(read_header(folder / name))
+    return out
+
+
+def build_empty(cls: type, folder: str | Path, dtype: torch.dtype | None) -> nn.Module:
+    """``cls.from_pretrained(folder, dtype=dtype)`` with every parameter left on the meta
+    device (persistent buffers loaded, they are small). Raises ValueError when the folder
+    has no safetensors weights or lacks a parameter."""
+    from accelerate import init_empty_weights
+    from diffusers.models.modeling_utils import no_init_weights
+
+    folder = Path(folder)
+    files = weight_files(folder)
+    if files is None:
+        raise ValueError(f"{folder}: no {WEIGHTS_NAME} (or {INDEX_NAME}) to load sharded")
+    config = cls.load_config(folder)
+    before = cls._set_default_torch_dtype(dtype) if dtype is not None else None
+    try:  # diffusers' own construction: buffers built in `dtype` on the host, params on meta
+        with no_init_weights(), init_empty_weights():
+            model = cls.from_config(config)
+    finally:
+        if before is not None:
+            torch.set_default_dtype(before)
+    keep = list(cls._keep_in_fp32_modules or [])
+    state = model.state_dict(keep_vars=True)
+    params = {n for n, _ in model.named_parameters()}
+    missing = sorted(n for n in params if n not in files)
+    if missing:
+        raise ValueError(f"{folder}: the weights lack {missing[0]} ({len(missing)} missing)")
+    dtypes: dict[str, torch.dtype] = {}
+    for key, old in state.items():
+        stored = files.get(key)
+        if stored is None:
+            continue  # a buffer the file lacks keeps its constructed value, as in diffusers
+        if dtype is None:
+            target = old.dtype
+        elif not stored.dtype.is_floating_point:
+            target = stored.dtype  # ints stay as stored
+        elif any(m in key.split(".") for m in keep):
+            target = torch.float32
+        else:
+            target = dtype
+        if tuple(old.shape) != stored.shape:
+            raise ValueError(
+                f"{folder}: {key} has shape {stored.shape}, expected {tuple(old.shape)}"
+            )
+        if key in params:
+            dtypes[key] = target
+            if old.dtype != target:
+                old.data = old.data.to(target)  # meta: no memory
+        else:  # a persistent buffer: read whole, as diffusers does (buffers are small)
+            module_name, _, leaf = key.rpartition(".")
+            with open(stored.path, "rb") as f:
+                value = stored.read(f).to(target)
+            model.get_submodule(module_name)._buffers[leaf] = value
+    model.register_to_config(_name_or_path=str(folder))
+    model.eval()
+    setattr(model, WEIGHTS_ATTR, WeightFiles(folder, files, dtypes))
+    return model
+
+
+def is_empty(module: nn.Module) -> bool:
+    """True when some parameter of ``module`` is still on the meta device."""
+    return any(p.is_meta for p in module.parameters())
+
+
+@contextmanager
+def adapters_beside_meta() -> Iterator[None]:
+    """peft moves a new LoRA layer to its base layer's device (and dtype): for a base on the
+    meta device the LoRA goes to the host instead, in that dtype, so its seeded initial values
+    survive (they are tiny; ``materialize`` copies each rank's shard of them). A base that is
+    not on the meta device is served as peft does."""
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    move_original = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    replace_original = LoraModel._replace_module
+
+    def on_meta(layer: nn.Module) -> bool:
+        layer = getattr(layer, "base_layer", layer)
+        weight = getattr(layer, "weight", None)
+        return weight is not None and weight.is_meta
+
+    def move(self, adapter_name, device=None):
+        if device is None and on_meta(self.get_base_layer()):
+            device = torch.device("cpu")
+        return move_original(self, adapter_name, device)
+
+    def replace(self, parent, child_name, new_module, child):
+        if not on_meta(child):
+            return replace_original(self, parent, child_name, new_module, child)
+        setattr(parent, child_name, new_module)  # its LoRA stays where `move` put it
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+    LoraModel._replace_module = replace
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move_original
+        LoraModel._replace_module = replace_original
+
+
+def _sources(model: nn.Module) -> list[tuple[str, WeightFiles]]:
+    """(name prefix, WeightFiles) of each submodule built by ``build_empty``, longest first."""
+    out = [
+        (f"{name}." if name else "", wf)
+        for name, m in model.named_modules()
+        if (wf := getattr(m, WEIGHTS_ATTR, None)) is not None
+    ]
+    return sorted(out, key=lambda s: -len(s[0]))
+
+
+def file_key(name: str, sources: list[tuple[str, WeightFiles]]) -> tuple[WeightFiles, str]:
+    """The WeightFiles and the file key of parameter ``name`` of the (LoRA-wrapped) model:
+    the submodule's prefix dropped, peft's ``.base_layer`` infix removed."""
+    for prefix, wf in sources:
+        if name.startswith(prefix):
+            key = name[len(prefix) :].replace(".base_layer.", ".")
+            if key in wf.stored:
+                return wf, key
+    raise KeyError(f"no weight file holds parameter {name!r}")
+
+
+def local_region(p: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the whole tensor that this rank's shard of ``p`` holds (every dim)."""
+    if not isinstance(p, DTensor):
+        return tuple(slice(0, n) for n in p.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate this rank's shard of every meta parameter of the sharded ``model`` on
+    ``device`` (``to_empty``) and fill it from the safetensors files: only this rank's slice
+    of each tensor is read, cast file dtype -> load dtype -> parameter dtype. Parameters
+    that were not on the meta device (new LoRA layers) and all buffers keep their values."""
+    sources = _sources(model)
+    kept = {n: local(p).clone() for n, p in model.named_parameters() if not p.is_meta}
+    buffers = [(model.get_submodule(n.rpartition(".")[0]), n) for n, _ in model.named_buffers()]
+    buffers = [(m, n.rpartition(".")[2], m._buffers[n.rpartition(".")[2]]) for m, n in buffers]
+    model.to_empty(device=device)
+    for module, leaf, value in buffers:  # to_empty emptied them too
+        module._buffers[leaf] = value
+    with ExitStack() as stack:
+        handles: dict[Path, BinaryIO] = {}
+        for name, p in model.named_parameters():
+            shard = local(p)
+            if name in kept:
+                shard.copy_(kept[name])
+                continue
+            wf, key = file_key(name, sources)
+            stored = wf.stored[key]
+            if shard.numel() == 0:
+                continue
+            if stored.path not in handles:
+                handles[stored.path] = stack.enter_context(open(stored.path, "rb"))
+            region = local_region(p)
+            if any(r != slice(0, n) for r, n in zip(region[1:], p.shape[1:], strict=True)):
+                raise NotImplementedError(f"{name}: only dim-0 shards are read ({region})")
+            value = stored.read(handles[stored.path], region[0] if p.ndim else None)
+            shard.copy_(value.to(wf.dtypes[key]))
+
+
+def move_components(pipe: Any, device: torch.device) -> None:
+    """``pipe.to(device)`` for every component but those built empty (the engine puts their
+    shards on the device)."""
+    components = getattr(pipe, "components", {})
+    if not any(isinstance(m, nn.Module) and is_empty(m) for m in components.values()):
+        pipe.to(device)
+        return
+    for module in components.values():
+        if isinstance(module, nn.Module) and not is_empty(module):
+            module.to(device)
+
+
+__all__ = [
+    "ST_DTYPES",
+    "Stored",
+    "WeightFiles",
+    "adapters_beside_meta",
+    "build_empty",
+    "file_key",
+    "is_empty",
+    "local_region",
+    "materialize",
+    "move_components",
+    "read_header",
+    "weight_files",
+]
