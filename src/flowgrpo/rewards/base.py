@@ -190,10 +190,21 @@ def lift_to_video(fn: Any, frames: str | int = "all", name: str = "reward") -> A
     """``fn`` unchanged when it takes videos; otherwise a reward that passes images through and
     scores a video [B, C, F, H, W] as the mean of ``fn`` over its chosen frames (each frame
     gets its video's prompt and a copy of its metadata). A dict reward's entries are averaged
-    entry by entry."""
-    if takes_video(fn):
-        return fn
+    entry by entry. A video reward that sets ``scores_chosen_frames = True`` (the remote
+    client) gets the videos cut to the chosen frames [B, C, n, H, W]."""
     frames = check_frames(frames, f"reward {name!r} option frames")
+    if takes_video(fn):
+        if frames == "all" or not getattr(fn, "scores_chosen_frames", False):
+            return fn
+
+        def chosen(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> Any:
+            if images.dim() == 5:
+                images = images[:, :, frame_indices(images.shape[2], frames)]
+            return fn(images, prompts, metadata)
+
+        chosen.__name__ = getattr(fn, "__name__", name)
+        chosen.accepts_video = True  # type: ignore[attr-defined]
+        return chosen
 
     def per_frame(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> Any:
         if images.dim() != 5:

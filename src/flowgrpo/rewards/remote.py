@@ -85,10 +85,12 @@ class RemoteReward:
     Each call POSTs the batch; a timeout, connection error or 5xx answer is retried up to
     ``retries`` times with exponential ``backoff`` (s); 4xx answers are not retried. The
     final failure raises RuntimeError naming the URL. ``token`` defaults to
-    $FLOWGRPO_REWARD_TOKEN. Videos are sent whole; the server lifts an image reward to them.
+    $FLOWGRPO_REWARD_TOKEN. Videos are sent as the frames the reward's ``frames`` setting
+    chooses (all by default); the server lifts an image reward to them.
     """
 
     accepts_video = True
+    scores_chosen_frames = True  # lift_to_video sends only the frames ``frames`` picks
 
     def __init__(
         self,
