@@ -230,6 +230,21 @@ def lift_to_video(fn: Any, frames: str | int = "all", name: str = "reward") -> A
     return per_frame
 
 
+class RewardUnavailable(RuntimeError):
+    """A reward's service could not be reached or did not answer in time (a remote reward
+    server down or hung): the failure is not the samples', so scoring them one by one to find
+    a culprit would only wait again."""
+
+
+def reward_unavailable(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a ``RewardUnavailable``."""
+    while exc is not None:
+        if isinstance(exc, RewardUnavailable):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def _tag(exc: BaseException, name: str) -> BaseException:
     exc.reward_name = name  # type: ignore[attr-defined]
     return exc
@@ -398,14 +413,15 @@ class AsyncRewardScorer:
         metadata = [dict(m) for m in metadata] if metadata is not None else None
         return RewardFuture(self._pool.submit(self.reward, images, prompts, metadata))
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, cancel: bool = False) -> None:
+        """Wait for the submitted batches; ``cancel``: drop those not started yet."""
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
 
     def __enter__(self) -> AsyncRewardScorer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(cancel=exc_type is not None)  # after a failure nobody reads the rest
 
 
 def _single(fn: RewardFn) -> MultiReward:
