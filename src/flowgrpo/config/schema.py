@@ -291,7 +291,7 @@ class Config:
     seed: int = setting(
         0,
         "Seed of everything: prompt order, rollout noise (per sample), eval noise, init.",
-        check=ge(0),
+        check=between(0, 2**64 - 1),  # torch.manual_seed takes 64 bits
     )
     preset: str | None = setting(
         None, "Where the config came from (set by load_config; informational)."
@@ -344,6 +344,14 @@ class Config:
                 "sample.sde_type",
                 "'sde' with algorithm=grpo_guard",
                 s.sde_type,
+            )
+        if self.algorithm in ("flow_grpo", "mix_grpo"):  # the ratio of SDE log-probs
+            need(
+                s.noise_level > 0,
+                "sample.noise_level",
+                f"> 0 with algorithm={self.algorithm} (its policy gradient needs stochastic "
+                "steps: with 0 the rollout is deterministic and nothing trains)",
+                s.noise_level,
             )
         if self.algorithm == "mix_grpo":  # its window ends before the last two steps
             need(s.num_steps >= 3, "sample.num_steps", ">= 3 with algorithm=mix_grpo", s.num_steps)
