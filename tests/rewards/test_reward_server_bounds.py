@@ -162,6 +162,18 @@ def test_idle_and_slow_clients_are_cut_after_the_read_timeout():
         server.close()
 
 
+def test_the_read_timeout_does_not_cut_a_request_being_scored():
+    def slow(images, prompts, metadata):
+        time.sleep(0.8)
+        return [0.25] * len(prompts)
+
+    server = RewardHTTPServer(slow, read_timeout=0.3).start_in_thread()
+    try:
+        assert _post(server.url, _body(1)) == (200, {"reward": "reward", "scores": [0.25]})
+    finally:
+        server.close()
+
+
 def test_each_request_is_logged_in_one_line(caplog):
     server = RewardHTTPServer(
         build_reward("jpeg_compressibility"), token="t0k", max_request_bytes=5000

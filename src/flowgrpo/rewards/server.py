@@ -453,6 +453,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._read(int(length))
         if body is None:
             return
+        self._watchdog.cancel()  # the request is in: scoring (and waiting for it) may take long
         srv = self.server
         try:
             req = parse_json(body, srv.max_json_values)
