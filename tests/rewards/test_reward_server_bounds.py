@@ -202,3 +202,34 @@ def test_each_request_is_logged_in_one_line(caplog):
         assert line.startswith("127.0.0.1 POST / ") and f" {code} " in line, line
         assert " bytes " in line and line.endswith("s") and "\n" not in line
     assert f" {len(ok)} bytes 1 images " in lines[0]
+
+
+def test_bodies_beyond_the_pending_budget_are_answered_503():
+    """One request's body fills the budget while it is scored: a second gets 503 at once
+    (the client retries 5xx) instead of a third buffer; after the first, requests pass."""
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(images, prompts, metadata):
+        entered.set()
+        release.wait(10)
+        return [1.0] * len(prompts)
+
+    body = _body(1)
+    server = RewardHTTPServer(
+        blocking, max_request_bytes=len(body) + 100, max_pending_bytes=len(body) + 100
+    ).start_in_thread()
+    try:
+        first = []
+        thread = threading.Thread(target=lambda: first.append(_post(server.url, body)))
+        thread.start()
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        status, msg = _post(server.url, body)
+        assert status == 503 and "--max-pending-mb" in msg and time.monotonic() - t0 < 2
+        release.set()
+        thread.join(10)
+        assert first == [(200, {"reward": "reward", "scores": [1.0]})]
+        assert _post(server.url, body)[0] == 200 and server.body_budget.peak == len(body)
+    finally:
+        release.set()
+        server.close()

@@ -12,7 +12,8 @@ metadata must be a list of objects (400 otherwise). Videos arrive as their frame
 ``"frames": F``; an image reward scores every frame and averages (``lift_to_video``).
 
 What the server holds at once is bounded too: images are decoded only inside a server-wide
-budget of ``--max-decoded-pixels`` (requests beyond it wait), a body's JSON values are counted
+budget of ``--max-decoded-pixels`` (requests beyond it wait), the bodies held at once are
+bounded by ``--max-pending-mb`` (a request beyond it gets 503), a body's JSON values are counted
 before it is parsed (``--max-json-values``; a body of millions of ``{}`` would cost GBs as
 Python objects), metadata is capped in bytes (``--max-metadata-mb``), JSON nested too deeply
 is a 400, and a client has ``--read-timeout`` seconds to send its request (a slow or idle
@@ -106,29 +107,37 @@ def _decode_png(i: int, raw: bytes) -> Image.Image:
     return img
 
 
-class PixelBudget:
-    """A counting semaphore of pixels: ``hold(n)`` waits until ``n`` of ``total`` are free.
-    The server decodes and scores a request's images inside ``hold(its pixels)``, so the
-    decoded images of all requests together never exceed ``total`` pixels."""
+class Budget:
+    """A counting semaphore of pixels or bytes: ``hold(n)`` waits until ``n`` of ``total`` are
+    free (``wait=False``: None at once when they are not). The server decodes and scores a
+    request's images inside ``hold(its pixels)`` of one budget, and holds a request's body
+    inside ``hold(its bytes)`` of another, so all requests together stay within both."""
 
     def __init__(self, total: int) -> None:
         self.total, self.used, self.peak = int(total), 0, 0
         self._cond = threading.Condition()
 
     @contextlib.contextmanager
-    def hold(self, n: int) -> Iterator[None]:
+    def hold(self, n: int, wait: bool = True) -> Iterator[bool]:
+        """Yields True while ``n`` are held; False (nothing held) when ``wait`` is False and
+        they are not free now."""
         if n > self.total:
-            raise ValueError(f"cannot hold {n} pixels of a budget of {self.total}")
+            raise ValueError(f"cannot hold {n} of a budget of {self.total}")
         with self._cond:
-            self._cond.wait_for(lambda: self.used + n <= self.total)
-            self.used += n
-            self.peak = max(self.peak, self.used)
+            if not wait and self.used + n > self.total:
+                got = False
+            else:
+                self._cond.wait_for(lambda: self.used + n <= self.total)
+                self.used += n
+                self.peak = max(self.peak, self.used)
+                got = True
         try:
-            yield
+            yield got
         finally:
-            with self._cond:
-                self.used -= n
-                self._cond.notify_all()
+            if got:
+                with self._cond:
+                    self.used -= n
+                    self._cond.notify_all()
 
 
 def check_body(body: bytes | bytearray, max_values: int) -> None:
@@ -269,6 +278,7 @@ class RewardHTTPServer(ThreadingHTTPServer):
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
         max_decoded_pixels: int | None = None,
+        max_pending_bytes: int | None = None,
         max_json_values: int = DEFAULT_MAX_JSON_VALUES,
         max_metadata_bytes: int = int(DEFAULT_MAX_METADATA_MB * 2**20),
         read_timeout: float = DEFAULT_READ_TIMEOUT,
@@ -284,12 +294,20 @@ class RewardHTTPServer(ThreadingHTTPServer):
         if max_decoded_pixels is None:  # one request at the cap at a time
             max_decoded_pixels = max_request_pixels
         limits["max_decoded_pixels"] = max_decoded_pixels
+        if max_pending_bytes is None:  # two requests at the size cap
+            max_pending_bytes = 2 * max_request_bytes
+        limits["max_pending_bytes"] = max_pending_bytes
         if min(limits.values()) <= 0:
             raise ValueError(f"reward server limits must be > 0, got {limits}")
         if max_decoded_pixels < max_request_pixels:
             raise ValueError(
                 f"max_decoded_pixels ({max_decoded_pixels}) must be >= max_request_pixels "
                 f"({max_request_pixels}): a request at the cap could never be decoded"
+            )
+        if max_pending_bytes < max_request_bytes:
+            raise ValueError(
+                f"max_pending_bytes ({max_pending_bytes}) must be >= max_request_bytes "
+                f"({max_request_bytes}): a request at the cap could never be read"
             )
         self.reward = lift_to_video(reward, "all", name)
         self.reward_name = name
@@ -300,7 +318,8 @@ class RewardHTTPServer(ThreadingHTTPServer):
         self.max_json_values = int(max_json_values)
         self.max_metadata_bytes = int(max_metadata_bytes)
         self.read_timeout = float(read_timeout)
-        self.pixel_budget = PixelBudget(max_decoded_pixels)
+        self.pixel_budget = Budget(max_decoded_pixels)
+        self.body_budget = Budget(max_pending_bytes)
         self.score_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
@@ -450,7 +469,22 @@ class _Handler(BaseHTTPRequestHandler):
             limit_mb = self.server.max_request_bytes / 2**20
             self._send(413, {"error": f"request of {int(length)} bytes exceeds {limit_mb:g} MB"})
             return
-        body = self._read(int(length))
+        with self.server.body_budget.hold(int(length), wait=False) as held:
+            if not held:
+                self._drain(int(length))
+                self._send(
+                    503,
+                    {
+                        "error": "busy: other requests' bodies fill --max-pending-mb "
+                        f"({self.server.body_budget.total / 2**20:g} MB); retry later"
+                    },
+                )
+                return
+            self._post(int(length))
+
+    def _post(self, length: int) -> None:
+        """Read, check, decode and score a request of ``length`` bytes, and answer it."""
+        body = self._read(length)
         if body is None:
             return
         self._watchdog.cancel()  # the request is in: scoring (and waiting for it) may take long
@@ -505,6 +539,7 @@ def serve_reward(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
     max_decoded_pixels: int | None = None,
+    max_pending_mb: float | None = None,
     max_json_values: int = DEFAULT_MAX_JSON_VALUES,
     max_metadata_mb: float = DEFAULT_MAX_METADATA_MB,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
@@ -522,6 +557,7 @@ def serve_reward(
         max_pixels=max_pixels,
         max_request_pixels=max_request_pixels,
         max_decoded_pixels=max_decoded_pixels,
+        max_pending_bytes=None if max_pending_mb is None else int(max_pending_mb * 2**20),
         max_json_values=max_json_values,
         max_metadata_bytes=int(max_metadata_mb * 2**20),
         read_timeout=read_timeout,
@@ -577,6 +613,13 @@ def add_reward_server_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default: --max-request-pixels, one full request at a time)",
     )
     p.add_argument(
+        "--max-pending-mb",
+        type=float,
+        default=None,
+        help="most MB of request bodies held at once by all requests together; a request "
+        "beyond it is answered 503 (the client retries) (default: 2 x --max-request-mb)",
+    )
+    p.add_argument(
         "--max-json-values",
         type=int,
         default=DEFAULT_MAX_JSON_VALUES,
@@ -626,6 +669,7 @@ def run_reward_server_cli(
         max_pixels=args.max_pixels,
         max_request_pixels=args.max_request_pixels,
         max_decoded_pixels=args.max_decoded_pixels,
+        max_pending_mb=args.max_pending_mb,
         max_json_values=args.max_json_values,
         max_metadata_mb=args.max_metadata_mb,
         read_timeout=args.read_timeout,
