@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowgrpo.rewards import build_reward
-from flowgrpo.rewards import server as srv_mod
+from flowgrpo.rewards import server_request as srv_mod
 from flowgrpo.rewards.remote import encode_images
 from flowgrpo.rewards.server import RewardHTTPServer
 
