@@ -20,3 +20,21 @@ def test_redact_nested_keeps_everything_else():
     assert out["seed"] == 3
     assert cfg["reward"][0]["options"]["token"] == "s3cr3t"  # the input is untouched
     assert "s3cr3t" not in repr(out)
+
+
+def test_redact_args_hides_secret_values_on_a_command_line():
+    from flowgrpo.config.secrets import redact_args
+
+    args = ["train", "reward.remote.options.token=abc", "--token", "xyz", "--api-key=k1"]
+    args += ["reward.remote.options.url=http://h:1/", "seed=3", "--token=", "monkey=1"]
+    assert redact_args(args) == [
+        "train",
+        f"reward.remote.options.token={REDACTED}",
+        "--token",
+        REDACTED,
+        f"--api-key={REDACTED}",
+        "reward.remote.options.url=http://h:1/",
+        "seed=3",
+        "--token=",
+        "monkey=1",
+    ]

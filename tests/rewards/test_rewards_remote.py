@@ -85,26 +85,99 @@ def test_request_size_limit_is_413_and_bad_body_400():
         server.close()
 
 
-def test_timeout_retries_then_names_url():
-    hits = []
+@contextlib.contextmanager
+def _hung_server(seconds: float = 20.0):
+    """A loopback port that accepts connections and never answers; yields (url, accepted
+    connection count). Its thread stops by itself after ``seconds``."""
+    import socket
 
-    def sleepy(images, prompts, metadata):
-        hits.append(time.monotonic())
-        time.sleep(0.6)
-        return [0.0] * images.shape[0]
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(0.05)
+    accepted, held, stop = [], [], threading.Event()
 
-    server = RewardHTTPServer(sleepy, name="sleepy").start_in_thread()
-    server.score_lock = contextlib.nullcontext()  # let the retry in while the first sleeps
+    def serve():
+        end = time.monotonic() + seconds
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            accepted.append(time.monotonic())
+            held.append(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
     try:
-        remote = build_reward("remote", url=server.url, timeout=0.3, retries=1, backoff=0.05)
-        with pytest.raises(RuntimeError) as e:
-            remote(*_batch(1))
-        msg = str(e.value)
-        assert server.url in msg and "after 2 attempt(s)" in msg and "timeout 0.3s" in msg
-        time.sleep(0.1)
-        assert len(hits) == 2  # the first try and one retry
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/", accepted
     finally:
-        server.close()
+        stop.set()
+        thread.join(timeout=5)
+        for c in held:
+            c.close()
+        sock.close()
+
+
+def test_hung_server_is_reported_after_one_timeout_and_not_retried():
+    from flowgrpo.rewards.base import RewardUnavailable
+
+    with _hung_server() as (url, accepted):
+        remote = build_reward("remote", url=url, timeout=0.4, retries=2, backoff=0.05)
+        t0 = time.monotonic()
+        with pytest.raises(RewardUnavailable) as e:
+            remote(*_batch(1))
+        took = time.monotonic() - t0
+        assert 0.4 <= took < 0.8, took  # one timeout; the old client waited 3 x 0.4 s + backoff
+        assert url in str(e.value) and "did not answer within 0.4s" in str(e.value)
+        t0 = time.monotonic()
+        with pytest.raises(RewardUnavailable, match="did not answer within 0.4s"):
+            remote(*_batch(1))  # right after a timeout: fails at once, no second wait
+        assert time.monotonic() - t0 < 0.2
+        assert len(accepted) == 1
+
+
+def test_unreachable_server_retries_connection_errors_then_names_url():
+    import socket
+
+    from flowgrpo.rewards.base import RewardUnavailable
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed below: nothing listens there
+    remote = build_reward(
+        "remote", url=f"http://127.0.0.1:{port}/", timeout=5, retries=1, backoff=0.05
+    )
+    with pytest.raises(RewardUnavailable) as e:
+        remote(*_batch(1))
+    assert f"127.0.0.1:{port}" in str(e.value) and "after 2 attempt(s)" in str(e.value)
+
+
+def test_a_hung_server_stops_training_after_one_timeout_without_a_per_sample_search():
+    """The trainer's failure report (sync and async scoring) waits one timeout, not
+    timeout x retries x (1 + samples)."""
+    from flowgrpo.errors import RunError
+    from flowgrpo.rewards import AsyncRewardScorer
+    from flowgrpo.trainer.flow_grpo import reward_failures
+
+    images, prompts, meta = _batch(4)
+    where = [f"prompts.txt:{i + 1}" for i in range(4)]
+    with _hung_server() as (url, accepted):
+        spec = RewardSpec("remote", options={"url": url, "timeout": 0.4, "retries": 2})
+        multi = MultiReward([spec])
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match="did not answer within 0.4s") as e:
+            with reward_failures(multi, images, prompts, meta, where, "step 3"):
+                multi(images, prompts, meta)
+        assert time.monotonic() - t0 < 0.8 and len(accepted) == 1
+        assert "prompts.txt" not in str(e.value)  # not blamed on a sample
+        time.sleep(0.45)  # past the fail-fast window: the async path waits one timeout again
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match="did not answer within 0.4s"):
+            with reward_failures(multi, images, prompts, meta, where, "step 3"):
+                with AsyncRewardScorer(multi) as scorer:
+                    futures = [
+                        scorer.submit(images[i : i + 1], prompts[i : i + 1]) for i in range(4)
+                    ]
+                    [f.result() for f in futures]
+        assert time.monotonic() - t0 < 0.8 and len(accepted) == 2
 
 
 def test_dict_reward_over_http_and_cli_parser():

@@ -117,3 +117,27 @@ def test_videos_over_http_equal_the_local_lifted_reward():
         assert e.value.code == 400 and "do not make 2 videos of 5 frames" in e.value.read().decode()
     finally:
         server.close()
+
+
+def test_remote_reward_honours_frames_like_the_local_reward():
+    seen = []
+
+    def recording(images, prompts, metadata):
+        seen.append(tuple(images.shape))
+        return brightness(images, prompts, metadata)
+
+    server = RewardHTTPServer(recording, name="brightness").start_in_thread()
+    try:
+        v = _videos(f=9)
+        spec = RewardSpec("remote", options={"url": server.url, "timeout": 10}, frames=3)
+        got = MultiReward([spec])(v, ["a", "b"])["remote"]
+        want = lift_to_video(brightness, 3)(v, ["a", "b"], [{}, {}])
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)  # PNG's uint8 rounding
+        assert seen == [(6, 3, 6, 8)]  # 2 videos x frames 0, 4, 8: only those were sent
+        ref = v[:, :, [0, 4, 8]].mul(255).round().div(255).mean(dim=(1, 2, 3, 4))
+        torch.testing.assert_close(got, ref)
+        seen.clear()
+        MultiReward([RewardSpec("remote", options={"url": server.url})])(v, ["a", "b"])
+        assert seen == [(18, 3, 6, 8)]  # frames "all" (the default): every frame
+    finally:
+        server.close()

@@ -233,11 +233,13 @@ def test_the_recorded_config_hides_secrets_and_names_the_command(tmp_path, monke
     from flowgrpo.config.record import read_record, write_record
 
     cfg = load_config(None, ["reward.digits.options.api_key=s3cret"], check_paths=False)
-    monkeypatch.setattr(cli, "current_argv", ["train", "a b"])
+    monkeypatch.setattr(
+        cli, "current_argv", ["train", "a b", "reward.digits.options.api_key=s3cret"]
+    )
     write_record(tmp_path, cfg)
     text = (tmp_path / "config.yaml").read_text()
     assert "s3cret" not in text and "<redacted>" in text
-    assert "# command: flowgrpo train 'a b'\n" in text
+    assert "# command: flowgrpo train 'a b' 'reward.digits.options.api_key=<redacted>'\n" in text
     back = read_record(tmp_path)
     assert back["reward"][0]["options"] == {}  # a redacted value is left out when read back
     assert load_config(None, [], check_paths=False, recorded=back).reward[0].name == "digits"

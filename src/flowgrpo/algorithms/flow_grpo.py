@@ -19,7 +19,7 @@ from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import SDEStepOutput
 from flowgrpo.algorithms.base import Algorithm
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
-from flowgrpo.settings import ge, gt, one_of, setting
+from flowgrpo.settings import ge, gt, need, one_of, setting
 
 CFG_GRAD_MODES = ("both", "cond_only")
 #: what ``micro_loss`` returns, in order
@@ -59,6 +59,19 @@ class FlowGRPO(Algorithm):
     """The default algorithm."""
 
     name = "flow_grpo"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Its policy gradient is the ratio of SDE log-probs: a deterministic rollout
+        (``sample.noise_level=0``) trains nothing and would fail in backward."""
+        s = cfg.sample
+        need(
+            s.noise_level > 0,
+            "sample.noise_level",
+            f"> 0 with algorithm={cfg.algorithm} (its policy gradient needs stochastic "
+            "steps: with 0 the rollout is deterministic and nothing trains)",
+            s.noise_level,
+        )
 
     @property
     def keys(self) -> tuple[str, ...]:

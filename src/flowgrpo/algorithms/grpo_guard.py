@@ -57,6 +57,7 @@ class GRPOGuard(FlowGRPO):
 
     @classmethod
     def check_config(cls, cfg) -> None:  # noqa: D102 - its normalised ratio is the 'sde' step's
+        super().check_config(cfg)
         s = cfg.sample
         need(s.sde_type == "sde", "sample.sde_type", "'sde' with algorithm=grpo_guard", s.sde_type)
 

@@ -96,6 +96,7 @@ class MixGRPO(FlowGRPO):
         """Its window ends before the last two steps; it slides its own window and trains all
         of it, so Flow-GRPO-Fast's window and ``timestep_fraction`` are refused, not ignored;
         every step's schedule is checked (``check_schedule``)."""
+        super().check_config(cfg)
         s = cfg.sample
         need(s.num_steps >= 3, "sample.num_steps", ">= 3 with algorithm=mix_grpo", s.num_steps)
         need(

@@ -306,9 +306,34 @@ def list_presets() -> list[str]:
     return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, first: int, again: int) -> None:
+        super().__init__(f"key {key!r} appears twice (lines {first} and {again})")
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader refusing a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[tuple[str, str], int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
+                continue
+            key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key_node.value, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(text: str, origin: str) -> dict:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except _DuplicateKey as e:
+        raise ConfigError(f"{origin}: {e}; keep one (YAML would silently use the last)") from None
     except yaml.YAMLError as e:
         msg = " ".join(str(e).split())
         raise ConfigError(f"cannot parse {origin}: {msg}") from None

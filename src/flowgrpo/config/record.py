@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from flowgrpo.config.secrets import REDACTED, redact
+from flowgrpo.config.secrets import REDACTED, redact, redact_args
 from flowgrpo.settings import ConfigError
 
 RUN_CONFIG = "config.yaml"  # in the run folder and in each checkpoint folder
@@ -56,11 +56,13 @@ NOT_RUN_DEFINING = (
 
 def command_line() -> str:
     """The command, quoted for a shell: ``flowgrpo ARGS`` as the CLI received them
-    (``flowgrpo.cli.main`` keeps them), else this process's own command line."""
+    (``flowgrpo.cli.main`` keeps them), else this process's own command line; secret values
+    redacted."""
     argv = getattr(sys.modules.get("flowgrpo.cli"), "current_argv", None)
     if argv is not None:
-        return shlex.join(["flowgrpo", *argv])
-    return shlex.join(getattr(sys, "orig_argv", sys.argv))
+        return shlex.join(["flowgrpo", *redact_args(argv)])
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    return shlex.join(argv[:1] + redact_args(argv[1:]))
 
 
 def record_text(cfg: Any) -> str:

@@ -353,7 +353,7 @@ class Config:
     seed: int = setting(
         0,
         "Seed of everything: prompt order, rollout noise (per sample), eval noise, init.",
-        check=ge(0),
+        check=between(0, 2**64 - 1),  # torch.manual_seed takes 64 bits
     )
     preset: str | None = setting(
         None, "Where the config came from (set by load_config; informational)."

@@ -33,3 +33,22 @@ def redact(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(redact(v) for v in value)
     return value
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """Command-line arguments with every secret's value replaced: ``KEY=VALUE`` and
+    ``--KEY=VALUE`` whose key is a secret name, and the word after a bare ``--KEY`` that is
+    one (``reward.remote.options.token=abc`` -> ``reward.remote.options.token=<redacted>``)."""
+    out, hide_next = [], False
+    for arg in args:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        key, sep, value = arg.partition("=")
+        if sep and value and is_secret_name(key.lstrip("-")):
+            out.append(f"{key}={REDACTED}")
+            continue
+        hide_next = not sep and arg.startswith("--") and is_secret_name(arg.lstrip("-"))
+        out.append(arg)
+    return out

@@ -121,6 +121,25 @@ def _check_reward_paths(cfg: Config) -> None:
                     )
 
 
+def _check_model_size(cfg: Config) -> None:
+    """model.height / width / num_frames against the family's rule (its config files only, no
+    weights): a size the model would round or fail on is a one-line error here."""
+    from flowgrpo.models.base import check_size
+    from flowgrpo.models.registry import size_rule_of
+
+    m = cfg.model
+    try:
+        rule = size_rule_of(m.path)
+    except (OSError, ValueError):  # not a pipeline directory: loading it says so
+        return
+    if rule is None:
+        return
+    try:
+        check_size(rule, m.height, m.width, m.num_frames, key="config key 'model.{}'")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_paths(cfg: Config, command: str) -> None:
     m, d, preset = cfg.model, cfg.data, cfg.preset or "custom"
     if not m.path:
@@ -130,6 +149,7 @@ def _check_paths(cfg: Config, command: str) -> None:
         )
     if not m.path.startswith(BUILTIN):
         _check_model(cfg, preset)
+    _check_model_size(cfg)
     needs_data = command == "train" or (command == "eval" and not d.eval_prompts)
     if needs_data and not d.train_prompts:
         raise ConfigError(

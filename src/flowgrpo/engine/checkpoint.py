@@ -26,6 +26,7 @@ refused with a ValueError naming the file.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import pickle
@@ -210,6 +211,25 @@ def _check_dcp_metadata(path: Path) -> Any:
         raise _refuse(str(file), f"{why}, not only DCP's own metadata") from None
 
 
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a failed write is an OSError naming
+    ``path`` (a full disk: ENOSPC); torch's own file writer reports only
+    "inline_container.cc:672 unexpected pos"."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
+def _write_text(path: Path, text: str) -> None:
+    """``path.write_text`` whose OSError names ``path``."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
 def _write_files(
     engine,
     tmp: Path,
@@ -222,10 +242,10 @@ def _write_files(
     caller's text ``files`` (name -> text, e.g. the run's config.yaml)."""
     rank = engine.dist.rank
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    _save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if not engine.dist.is_main:
         return
-    torch.save(
+    _save(
         {
             "step": engine.step,
             "optimizer_steps": engine.optimizer_steps,
@@ -235,7 +255,7 @@ def _write_files(
         },
         tmp / "engine_state.pt",
     )
-    (tmp / "trainer_state.json").write_text(json.dumps(extra or {}, indent=2))
+    _write_text(tmp / "trainer_state.json", json.dumps(extra or {}, indent=2))
     meta = {
         "step": step,
         "world_size": engine.dist.world_size,
@@ -245,9 +265,9 @@ def _write_files(
         "run_id": run_id,
         "time": time.time(),
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    _write_text(tmp / "meta.json", json.dumps(meta, indent=2))
     for name, text in (files or {}).items():
-        (tmp / name).write_text(text)
+        _write_text(tmp / name, text)
 
 
 class CheckpointMismatchError(ValueError):
@@ -289,7 +309,7 @@ def _mismatch(path: Path, metadata: Any, state: dict[str, Any]) -> CheckpointMis
 
 
 def _write_marker(tmp: Path) -> None:
-    (tmp / MARKER).write_text("ok\n")
+    _write_text(tmp / MARKER, "ok\n")
 
 
 def save_checkpoint(
@@ -357,7 +377,10 @@ def _first_os_error(e: BaseException) -> str:
     cause = e
     while cause.__cause__ is not None and not isinstance(cause, OSError):
         cause = cause.__cause__
-    return " ".join(str(cause).split()) or type(cause).__name__
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full ({text})"
+    return text
 
 
 def _first_failure(e: BaseException) -> str:

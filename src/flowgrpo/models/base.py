@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -94,6 +95,61 @@ class Schedule(NamedTuple):
     timesteps: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SizeRule:
+    """The sizes a family can generate, from its config files alone (``size_rule``): height
+    and width multiples of ``multiple`` (h, w) and at most ``max_size``; videos: frames
+    ``frame_step``·k + 1, at most ``max_frames`` (image families: ``frame_step`` None)."""
+
+    family: str
+    multiple: tuple[int, int]
+    why: str
+    max_size: tuple[int, int] | None = None
+    frame_step: int | None = None
+    max_frames: int | None = None
+
+
+def check_size(
+    rule: SizeRule, height: int, width: int, num_frames: int | None, key: str = "{}"
+) -> None:
+    """ValueError in one line naming ``key.format('height')`` (width, num_frames) when the
+    size breaks ``rule``; the model is never rounded to another size."""
+    for name, value, m, top in (
+        ("height", height, rule.multiple[0], rule.max_size and rule.max_size[0]),
+        ("width", width, rule.multiple[1], rule.max_size and rule.max_size[1]),
+    ):
+        if value <= 0 or value % m:
+            raise ValueError(
+                f"{key.format(name)} must be a positive multiple of {m} for {rule.family} "
+                f"({rule.why}), got {value}"
+            )
+        if top and value > top:
+            raise ValueError(f"{key.format(name)} must be <= {top} for {rule.family}, got {value}")
+    if num_frames is None:
+        return
+    t = rule.frame_step
+    if t is None:
+        raise ValueError(
+            f"{key.format('num_frames')} applies to video models only; {rule.family} generates "
+            "images"
+        )
+    if num_frames < 1 or (num_frames - 1) % t:
+        raise ValueError(
+            f"{key.format('num_frames')} must be {t}k + 1 (1, {t + 1}, {2 * t + 1}, ...) for "
+            f"{rule.family}, got {num_frames}"
+        )
+    if rule.max_frames is not None and num_frames > rule.max_frames:
+        raise ValueError(
+            f"{key.format('num_frames')} must be <= {rule.max_frames} for {rule.family} (its rotary "
+            f"position table), got {num_frames}"
+        )
+
+
+def vae_scale(vae_config: dict) -> int:
+    """The spatial VAE factor diffusers' SD3/FLUX pipelines use: 2^(len(block_out_channels)-1)."""
+    return 2 ** (len(vae_config.get("block_out_channels", (0,) * 4)) - 1)
+
+
 class DiffusionAdapter(ABC):
     """Base class of the per-family adapters (one file each: qwen_image, sd3, flux, wan, toy)."""
 
@@ -128,6 +184,12 @@ class DiffusionAdapter(ABC):
     @property
     def dtype(self) -> torch.dtype:
         return param_dtype(self.transformer)
+
+    @classmethod
+    def size_rule(cls, config: Callable[[str], dict]) -> SizeRule | None:
+        """The family's ``SizeRule`` from ``config(component)`` (a component's config dict:
+        "vae", "transformer"), read before any weight loads; None: no rule known."""
+        return None
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """True when a negative/unconditional branch is evaluated (guidance_scale > 1)."""

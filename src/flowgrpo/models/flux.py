@@ -19,12 +19,21 @@ Mirrors ``FluxPipeline.__call__`` piece by piece:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
+from flowgrpo.models.base import (
+    DiffusionAdapter,
+    PromptEmbeds,
+    Schedule,
+    SizeRule,
+    check_size,
+    param_dtype,
+    vae_scale,
+)
 
 
 class FluxAdapter(DiffusionAdapter):
@@ -89,6 +98,18 @@ class FluxAdapter(DiffusionAdapter):
         )
         return PromptEmbeds(embeds, None, pooled)
 
+    @classmethod
+    def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
+        """Multiples of VAE factor x 2 (16): the latents are packed 2x2. The pipeline would
+        round 22 px down to 16 (tiny: 20) silently; the adapter refuses instead."""
+        f = vae_scale(config("vae"))
+        return SizeRule("FLUX", (2 * f, 2 * f), f"VAE {f} x 2x2 packing")
+
+    def _check_size(self, height: int, width: int) -> None:
+        """ValueError for a size the family cannot generate exactly (``size_rule``)."""
+        rule = self.size_rule(lambda name: dict(getattr(self.pipe, name).config))
+        check_size(rule, height, width, None)
+
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         """Unpacked latent (h, w) for an image of height x width pixels (both even)."""
         f = self.pipe.vae_scale_factor * 2
@@ -100,6 +121,7 @@ class FluxAdapter(DiffusionAdapter):
 
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self._check_size(height, width)
         scheduler = copy.deepcopy(self.pipe.scheduler)
         conf = scheduler.config
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
@@ -124,6 +146,7 @@ class FluxAdapter(DiffusionAdapter):
         generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> torch.Tensor:
         """Packed noise [B, (h/2)(w/2), 4C] drawn by the pipeline's own ``prepare_latents``."""
+        self._check_size(height, width)
         latents, _ = self.pipe.prepare_latents(
             batch_size,
             self.num_channels_latents,

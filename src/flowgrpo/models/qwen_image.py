@@ -17,12 +17,13 @@ Mirrors ``QwenImagePipeline.__call__`` of diffusers 0.42.1 piece by piece:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule, param_dtype
 
 
 class QwenImageAdapter(DiffusionAdapter):
@@ -81,6 +82,12 @@ class QwenImageAdapter(DiffusionAdapter):
         """Unpacked latent height/width (even), as the pipeline rounds them."""
         f = self.pipe.vae_scale_factor
         return 2 * (int(height) // (f * 2)), 2 * (int(width) // (f * 2))
+
+    @classmethod
+    def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
+        """Multiples of VAE factor x 2 (16): the latents are packed 2x2."""
+        f = 2 ** len(config("vae").get("temperal_downsample", (False, True, True)))
+        return SizeRule("Qwen-Image", (2 * f, 2 * f), f"VAE {f} x 2x2 packing")
 
     def _check_size(self, height: int, width: int) -> None:
         m = self.pipe.vae_scale_factor * 2

@@ -129,6 +129,25 @@ def read_model_index(path: str | Path) -> dict[str, Any]:
     return index_data
 
 
+def size_rule_of(path: str | Path) -> Any:
+    """The ``SizeRule`` of the pipeline at ``path`` (its adapter's ``size_rule`` over the
+    components' ``config.json`` files), read without loading a weight; None for a class
+    without an adapter or a rule."""
+    name = read_model_index(path).get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        return None
+    root = resolve_model_path(path)
+
+    def config(component: str) -> dict:
+        try:
+            data = json.loads((root / component / "config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    return import_adapter(SUPPORTED_PIPELINES[name]).size_rule(config)
+
+
 def load_pipeline(
     path: str | Path, *, torch_dtype: torch.dtype | None = None, empty_trained: bool = False
 ) -> Any:

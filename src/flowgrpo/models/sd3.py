@@ -17,11 +17,20 @@ Skip-layer guidance and IP-adapters are not supported.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, param_dtype
+from flowgrpo.models.base import (
+    DiffusionAdapter,
+    PromptEmbeds,
+    Schedule,
+    SizeRule,
+    check_size,
+    param_dtype,
+    vae_scale,
+)
 
 
 class SD3Adapter(DiffusionAdapter):
@@ -65,6 +74,17 @@ class SD3Adapter(DiffusionAdapter):
         )
         return PromptEmbeds(embeds, None, pooled)
 
+    @classmethod
+    def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
+        """Multiples of VAE factor x patch size (16 for SD3/SD3.5), as the pipeline checks."""
+        f, p = vae_scale(config("vae")), int(config("transformer").get("patch_size", 2))
+        return SizeRule("SD3", (f * p, f * p), f"VAE {f} x patch {p}")
+
+    def _check_size(self, height: int, width: int) -> None:
+        """ValueError for a size the family cannot generate exactly (``size_rule``)."""
+        rule = self.size_rule(lambda name: dict(getattr(self.pipe, name).config))
+        check_size(rule, height, width, None)
+
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         """Latent (h, w) for an image of height x width pixels."""
         f = self.pipe.vae_scale_factor
@@ -79,6 +99,7 @@ class SD3Adapter(DiffusionAdapter):
 
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self._check_size(height, width)
         scheduler = copy.deepcopy(self.pipe.scheduler)
         kwargs: dict[str, Any] = {}
         conf = scheduler.config
@@ -103,6 +124,7 @@ class SD3Adapter(DiffusionAdapter):
         generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> torch.Tensor:
         """Noise [B, C, H/8, W/8] drawn by the pipeline's own ``prepare_latents``."""
+        self._check_size(height, width)
         return self.pipe.prepare_latents(
             batch_size,
             self.in_channels,

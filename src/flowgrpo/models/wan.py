@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule
 from flowgrpo.models.wan_experts import WanExperts, compute_dtype
 
 
@@ -143,6 +144,24 @@ class WanAdapter(DiffusionAdapter):
         return compute_dtype(self.transformer)
 
     # -- sizes ------------------------------------------------------------------------------------
+    @classmethod
+    def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
+        """Sides multiples of lcm(16, VAE x patch); frames t·k + 1 (t: the VAE's temporal
+        factor); at most ``rope_max_seq_len`` latent positions per axis (its rotary table)."""
+        down = config("vae").get("temperal_downsample", (False, True, True))
+        s, t = 2 ** len(down), 2 ** sum(bool(d) for d in down)
+        tr = config("transformer")
+        pf, ph, pw = tr.get("patch_size", (1, 2, 2))
+        rope = int(tr.get("rope_max_seq_len", 1024))
+        return SizeRule(
+            "Wan",
+            (math.lcm(16, s * ph), math.lcm(16, s * pw)),
+            f"16 and VAE {s} x patch {ph}",
+            max_size=(rope * s * ph, rope * s * pw),
+            frame_step=t,
+            max_frames=t * (rope * pf - 1) + 1,
+        )
+
     def check_num_frames(self, num_frames: int | None) -> int:
         num_frames = self.num_frames if num_frames is None else num_frames
         t = self.pipe.vae_scale_factor_temporal

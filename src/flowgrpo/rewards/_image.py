@@ -26,10 +26,12 @@ def from_pil(pils: list[Image.Image]) -> torch.Tensor:
     if not pils:
         raise ValueError("no images to stack")
     gray = all(p.mode == "L" for p in pils)
-    arrs = [np.asarray(p.convert("L" if gray else "RGB"), dtype=np.uint8) for p in pils]
-    sizes = {a.shape for a in arrs}
+    sizes = sorted({p.size for p in pils})
     if len(sizes) != 1:
-        raise ValueError(f"images in one batch must share a size, got {sorted(sizes)}")
-    x = torch.from_numpy(np.stack(arrs))
-    x = x.unsqueeze(1) if gray else x.permute(0, 3, 1, 2)
-    return x.float() / 255.0
+        shapes = sorted({(h, w) if gray else (h, w, 3) for w, h in sizes})
+        raise ValueError(f"images in one batch must share a size, got {shapes}")
+    (w, h), c = sizes[0], 1 if gray else 3
+    x = np.empty((len(pils), h, w, c), dtype=np.uint8)  # filled one image at a time
+    for i, p in enumerate(pils):
+        x[i] = np.asarray(p.convert("L" if gray else "RGB"), dtype=np.uint8).reshape(h, w, c)
+    return torch.from_numpy(x).permute(0, 3, 1, 2).float().div_(255.0)

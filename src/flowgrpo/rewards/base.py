@@ -196,10 +196,21 @@ def lift_to_video(fn: Any, frames: str | int = "all", name: str = "reward") -> A
     """``fn`` unchanged when it takes videos; otherwise a reward that passes images through and
     scores a video [B, C, F, H, W] as the mean of ``fn`` over its chosen frames (each frame
     gets its video's prompt and a copy of its metadata). A dict reward's entries are averaged
-    entry by entry."""
-    if takes_video(fn):
-        return fn
+    entry by entry. A video reward that sets ``scores_chosen_frames = True`` (the remote
+    client) gets the videos cut to the chosen frames [B, C, n, H, W]."""
     frames = check_frames(frames, f"reward {name!r} option frames")
+    if takes_video(fn):
+        if frames == "all" or not getattr(fn, "scores_chosen_frames", False):
+            return fn
+
+        def chosen(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> Any:
+            if images.dim() == 5:
+                images = images[:, :, frame_indices(images.shape[2], frames)]
+            return fn(images, prompts, metadata)
+
+        chosen.__name__ = getattr(fn, "__name__", name)
+        chosen.accepts_video = True  # type: ignore[attr-defined]
+        return chosen
 
     def per_frame(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> Any:
         if images.dim() != 5:
@@ -223,6 +234,21 @@ def lift_to_video(fn: Any, frames: str | int = "all", name: str = "reward") -> A
 
     per_frame.__name__ = getattr(fn, "__name__", name)
     return per_frame
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward's service could not be reached or did not answer in time (a remote reward
+    server down or hung): the failure is not the samples', so scoring them one by one to find
+    a culprit would only wait again."""
+
+
+def reward_unavailable(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a ``RewardUnavailable``."""
+    while exc is not None:
+        if isinstance(exc, RewardUnavailable):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _tag(exc: BaseException, name: str) -> BaseException:
@@ -415,14 +441,15 @@ class AsyncRewardScorer:
         metadata = [dict(m) for m in metadata] if metadata is not None else None
         return RewardFuture(self._pool.submit(self.reward, images, prompts, metadata))
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, cancel: bool = False) -> None:
+        """Wait for the submitted batches; ``cancel``: drop those not started yet."""
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
 
     def __enter__(self) -> AsyncRewardScorer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(cancel=exc_type is not None)  # after a failure nobody reads the rest
 
 
 def _single(fn: RewardFn) -> MultiReward:

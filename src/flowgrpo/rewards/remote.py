@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from flowgrpo.rewards._image import from_pil, to_pil
+from flowgrpo.rewards.base import RewardUnavailable
 
 TOKEN_ENV = "FLOWGRPO_REWARD_TOKEN"
 
@@ -82,13 +83,18 @@ def _jsonable(meta: Any) -> Any:
 class RemoteReward:
     """Reward computed by a server (``flowgrpo reward-server``) at ``url``.
 
-    Each call POSTs the batch; a timeout, connection error or 5xx answer is retried up to
-    ``retries`` times with exponential ``backoff`` (s); 4xx answers are not retried. The
-    final failure raises RuntimeError naming the URL. ``token`` defaults to
-    $FLOWGRPO_REWARD_TOKEN. Videos are sent whole; the server lifts an image reward to them.
+    Each call POSTs the batch; a connection error or 5xx answer is retried up to ``retries``
+    times with exponential ``backoff`` (s); 4xx answers are not retried. A timeout is not
+    retried either (a server that did not answer within ``timeout`` is hung), and calls
+    made within ``timeout`` seconds after one fail at once: a hung server is reported after
+    one timeout. A server that timed out or cannot be reached raises ``RewardUnavailable``,
+    other failures RuntimeError, both naming the URL. ``token`` defaults to
+    $FLOWGRPO_REWARD_TOKEN. Videos are sent as the frames the reward's ``frames`` setting
+    chooses (all by default); the server lifts an image reward to them.
     """
 
     accepts_video = True
+    scores_chosen_frames = True  # lift_to_video sends only the frames ``frames`` picks
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class RemoteReward:
         self.retries = int(retries)
         self.backoff = float(backoff)
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._timed_out_at: float | None = None  # monotonic time of the last timeout
 
     def _post(self, body: bytes) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -130,8 +137,14 @@ class RemoteReward:
         if num_frames is not None:
             payload["frames"] = num_frames
         body = json.dumps(payload).encode("utf-8")
+        since = None if self._timed_out_at is None else time.monotonic() - self._timed_out_at
+        if since is not None and since < self.timeout:
+            raise RewardUnavailable(
+                f"remote reward at {self.url} did not answer within {self.timeout:g}s "
+                f"({since:.0f}s ago); is the server hung? (GET {self.url}health)"
+            )
         attempts = self.retries + 1
-        last = ""
+        last, unavailable = "", False
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -144,22 +157,36 @@ class RemoteReward:
                     raise RuntimeError(
                         f"remote reward at {self.url} rejected the request: HTTP {e.code} {detail}"
                     ) from None
-                last = f"HTTP {e.code} {detail}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                last, unavailable = f"HTTP {e.code} {detail}", False
             except json.JSONDecodeError as e:
-                last = f"invalid JSON answer: {e}"
+                last, unavailable = f"invalid JSON answer: {e}", False
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                if _is_timeout(e):  # hung: a retry would wait as long again
+                    self._timed_out_at = time.monotonic()
+                    raise RewardUnavailable(
+                        f"remote reward at {self.url} did not answer within {self.timeout:g}s "
+                        f"(attempt {attempt + 1}, not retried); is the server hung? "
+                        f"(GET {self.url}health)"
+                    ) from None
+                last, unavailable = f"{type(e).__name__}: {getattr(e, 'reason', e)}", True
         else:
-            raise RuntimeError(
+            error = RewardUnavailable if unavailable else RuntimeError
+            raise error(
                 f"remote reward at {self.url} failed after {attempts} attempt(s) "
                 f"(timeout {self.timeout:g}s): {last}"
             )
+        self._timed_out_at = None
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if scores is None:
             raise RuntimeError(
                 f"remote reward at {self.url} answered without 'scores': {answer!r:.200}"
             )
         return scores
+
+
+def _is_timeout(e: BaseException) -> bool:
+    """A socket timeout, raw or wrapped in URLError (a timeout while connecting)."""
+    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
 
 
 def _error_detail(e: urllib.error.HTTPError) -> str:

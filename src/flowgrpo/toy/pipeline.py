@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule
 from flowgrpo.models.sd3 import SD3Adapter
 
 IMAGE_SIZE = 8
@@ -273,6 +273,12 @@ class ToyAdapter(DiffusionAdapter):
         return PromptEmbeds(embeds.detach().clone(), None, pooled.detach().clone()).to(
             self.device, self.dtype
         )
+
+    @classmethod
+    def size_rule(cls, config: Any) -> SizeRule:
+        """Exactly IMAGE_SIZE x IMAGE_SIZE."""
+        side = (IMAGE_SIZE, IMAGE_SIZE)
+        return SizeRule("the toy", side, f"it makes {IMAGE_SIZE}x{IMAGE_SIZE} images", side)
 
     def _check_size(self, height: int, width: int) -> None:
         if (height, width) != (IMAGE_SIZE, IMAGE_SIZE):

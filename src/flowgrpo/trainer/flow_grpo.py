@@ -24,6 +24,7 @@ from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
 from flowgrpo.engine import dist as D
 from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
+from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup as S
 from flowgrpo.trainer.logging import (
@@ -219,7 +220,8 @@ def reward_failures(reward, images, prompts, metadata, locations, when: str):
     """Turn a reward's failure into one RunError line ending with ``(when)``: "step 3",
     "base eval", "eval at step 4". When the reward fails on some samples but not on others,
     the culprit is the data: scoring samples one at a time (at most 16) finds the first that
-    fails, and its prompt-file line is named."""
+    fails, and its prompt-file line is named. A reward that could not be
+    reached or timed out (``RewardUnavailable``) is reported at once, without that search."""
     try:
         yield
     except RuntimeError as e:
@@ -227,7 +229,8 @@ def reward_failures(reward, images, prompts, metadata, locations, when: str):
         if name is None:
             raise
         failed, passed = None, False
-        for i in range(min(len(prompts), 16)):
+        search = 0 if reward_unavailable(e) else min(len(prompts), 16)
+        for i in range(search):
             try:
                 reward(images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1])
                 passed = True

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from flowgrpo.config.secrets import redact, redact_args
+
 TIME_PREFIX = "time/"
 VIDEO_FPS = 8  # of the GIFs (flow_grpo writes its Wan videos at 8 fps too)
 NON_DETERMINISTIC_KEYS = ("images_per_s", "images_per_s_per_gpu")  # and "time/", "memory/"
@@ -473,14 +475,19 @@ class RunLogger:
                     f"run.wandb={wandb!r} but wandb is not installed: pip install wandb, or "
                     "'flowgrpo[wandb]' (or set run.wandb=false)"
                 ) from err
-            self._wandb = wandb_lib.init(
-                project=wandb_project,
-                name=run_name,
-                mode=mode,
-                dir=str(self.out_dir),
-                config=dict(config or {}),
-                resume="allow",
-            )
+            argv = sys.argv
+            sys.argv = [*argv[:1], *redact_args(argv[1:])]  # wandb records the command line
+            try:
+                self._wandb = wandb_lib.init(
+                    project=wandb_project,
+                    name=run_name,
+                    mode=mode,
+                    dir=str(self.out_dir),
+                    config=redact(dict(config or {})),  # a reward's token never reaches wandb
+                    resume="allow",
+                )
+            finally:
+                sys.argv = argv
         if progress:
             from tqdm.auto import tqdm
 

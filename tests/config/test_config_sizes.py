@@ -1,0 +1,128 @@
+"""User mistakes that used to be internal errors (or silent rounding) deep in a run are
+one-line config errors before anything loads: image/video sizes against the family's rule
+(read from the pipeline's config files only), the seed's 64 bits, and a deterministic rollout
+under a log-prob algorithm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowgrpo.config import ConfigError, load_config
+
+# The published configs' numbers (hub config.json files of each family), written by hand: an
+# independent reference for the rules, and no weights at all.
+FAMILIES = {
+    "sd3": (
+        "StableDiffusion3Pipeline",
+        {"block_out_channels": [128, 256, 512, 512]},  # VAE factor 8
+        {"patch_size": 2},
+    ),
+    "flux": ("FluxPipeline", {"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),
+    "qwen": ("QwenImagePipeline", {"temperal_downsample": [False, True, True]}, {}),
+    "wan": (
+        "WanPipeline",
+        {"temperal_downsample": [False, True, True]},  # spatial 8, temporal 4
+        {"patch_size": [1, 2, 2], "rope_max_seq_len": 1024},
+    ),
+}
+
+
+def model_dir(root: Path, family: str) -> Path:
+    cls, vae, transformer = FAMILIES[family]
+    d = root / family
+    for name, conf in (("vae", vae), ("transformer", transformer)):
+        (d / name).mkdir(parents=True)
+        (d / name / "config.json").write_text(json.dumps(conf))
+    (d / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+    return d
+
+
+def error(*overrides: str, command: str = "sample") -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config("toy-digits", list(overrides), command=command)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "family, overrides, expected",
+    [
+        (
+            "sd3",
+            ["model.height=30"],
+            "config key 'model.height' must be a positive multiple of 16 for SD3 "
+            "(VAE 8 x patch 2), got 30",
+        ),
+        (
+            "flux",
+            ["model.height=32", "model.width=22"],  # the pipeline would make 16 px silently
+            "config key 'model.width' must be a positive multiple of 16 for FLUX "
+            "(VAE 8 x 2x2 packing), got 22",
+        ),
+        ("qwen", ["model.height=520"], "multiple of 16 for Qwen-Image"),
+        ("wan", ["model.height=100"], "config key 'model.height' must be a positive multiple"),
+        (
+            "wan",
+            ["model.height=480", "model.width=832", "model.num_frames=100001"],
+            "config key 'model.num_frames' must be <= 4093 for Wan",
+        ),
+        (
+            "wan",
+            ["model.height=480", "model.width=832", "model.num_frames=80"],
+            "config key 'model.num_frames' must be 4k + 1 (1, 5, 9, ...) for Wan, got 80",
+        ),
+        (
+            "sd3",
+            ["model.height=512", "model.width=512", "model.num_frames=5"],
+            "config key 'model.num_frames' applies to video models only; SD3 generates images",
+        ),
+    ],
+)
+def test_sizes_are_checked_against_the_family_before_loading(
+    tmp_path, family, overrides, expected
+) -> None:
+    path = model_dir(tmp_path, family)  # config files only: there is no weight to load
+    assert expected in error(f"model.path={path}", *overrides)
+
+
+def test_valid_sizes_pass(tmp_path) -> None:
+    for family, overrides in (
+        ("sd3", ["model.height=512", "model.width=768"]),
+        ("flux", ["model.height=1024", "model.width=1024"]),
+        ("wan", ["model.height=480", "model.width=832", "model.num_frames=81"]),
+    ):
+        load_config("toy-digits", [f"model.path={model_dir(tmp_path, family)}", *overrides],
+                    command="sample")  # fmt: skip
+
+
+def test_flux_adapter_refuses_a_size_it_would_round() -> None:
+    """The tiny FLUX (VAE factor 2: multiples of 4) made 22x22 requests 20x20 images."""
+    import torch
+
+    from flowgrpo.models import build_adapter
+    from flowgrpo.models.tiny import tiny_pipeline
+
+    adapter = build_adapter(tiny_pipeline("flux"))
+    with pytest.raises(ValueError, match="width must be a positive multiple of 4 for FLUX"):
+        adapter.prepare_latents(1, 24, 22, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="height must be a positive multiple of 4 for FLUX"):
+        adapter.schedule(4, 22, 24)
+    assert adapter.prepare_latents(1, 24, 20).shape[1] == (24 // 4) * (20 // 4)
+
+
+def test_seed_over_64_bits_is_a_config_error() -> None:
+    assert error("seed=18446744073709551616") == (
+        "config key 'seed' must be in [0, 18446744073709551615], got 18446744073709551616"
+    )
+    assert load_config(None, ["seed=18446744073709551615"]).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("algorithm", ["flow_grpo", "mix_grpo"])
+def test_a_deterministic_rollout_under_a_log_prob_algorithm_is_a_config_error(algorithm) -> None:
+    msg = error(f"algorithm={algorithm}", "sample.noise_level=0", f"{algorithm}.kl_beta=0")
+    assert msg.startswith(f"config key 'sample.noise_level' must be > 0 with algorithm={algorithm}")
+    load_config(None, ["algorithm=nft", "sample.noise_level=0"])  # nft trains without log-probs

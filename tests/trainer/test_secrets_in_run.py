@@ -1,0 +1,63 @@
+"""A reward's token never reaches the run folder: not the wandb files (``run-*.wandb``,
+``debug.log``, metadata), tensorboard or the checkpoints, even when given on the command line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from flowgrpo import cli
+from flowgrpo.rewards.server import serve_reward
+from random_toy import random_toy_path
+
+pytestmark = pytest.mark.slow  # an end-to-end run (~15 s)
+
+TOKEN = "tok-5ecret-9f3a7c2e1b"
+
+
+def test_the_reward_token_is_in_no_file_of_the_run_folder(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("FLOWGRPO_REWARD_TOKEN", raising=False)
+    server = serve_reward("digits", token=TOKEN).start_in_thread()
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "toy-digits",
+        f"model.path={random_toy_path()}",
+        "sample.prompts_per_step=2",
+        "sample.group_size=2",
+        "sample.num_steps=2",
+        "sample.eval_num_steps=2",
+        "data.eval_num_prompts=1",
+        "data.eval_samples_per_prompt=2",
+        "update.micro_batch_size=4",
+        "trainer.max_steps=1",
+        "trainer.save_every=1",
+        "run.progress_bar=false",
+        "run.wandb=true",
+        "run.wandb_mode=offline",
+        "reward=remote",
+        f"reward.remote.options.url={server.url}",
+        f"reward.remote.options.token={TOKEN}",
+        "reward.remote.options.timeout=30",
+        f"run.output_dir={out}",
+    ]
+    monkeypatch.setattr(sys, "argv", ["flowgrpo", *argv])  # as the command line gives it
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli.main(argv) == 0, capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+        server.close()
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and any(p.name == "debug.log" for p in files)
+    assert any("tfevents" in p.name for p in files) and (out / "checkpoints" / "step_1").is_dir()
+    leaked = [str(p.relative_to(out)) for p in files if TOKEN.encode() in p.read_bytes()]
+    assert leaked == [], f"the token is written in {leaked}"
+    # wandb's record still says a token was set (redacted) and keeps the rest (the URL)
+    record = next(p for p in files if p.suffix == ".wandb").read_bytes()
+    assert b"<redacted>" in record and server.url.encode() in record
