@@ -162,3 +162,22 @@ def test_a_model_folder_without_configs_is_one_line(capsys, tmp_path):
     empty.mkdir()
     code, _, err = _cli(capsys, "sd3-ocr", f"model.path={empty}", "--gpus", "8", "--gpu-gb", "80")
     assert code == 2 and "model_index.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_banner_line_is_the_planners_total_or_absent():
+    from flowgrpo.config import load_config
+    from flowgrpo.config.memory import GB, plan_memory, planned_line
+    from flowgrpo.trainer.logging import startup_banner
+
+    cfg = load_config(
+        "flux-pickscore", ["model.path=known:flux.1-dev", "lora.enabled=false"], check_paths=False
+    )
+    total = plan_memory(cfg, 1, 80.0).total / GB
+    line = planned_line(cfg, 1, "cuda", 80.0)
+    assert line.startswith(f"  memory     planned {total:.1f} GB per rank of 80 GB (may NOT fit")
+    assert "(fits;" in planned_line(cfg, 1, "cuda", 1e6)
+    toy = load_config(None, [])
+    assert planned_line(toy, 1, "cpu", 24.0) is None  # the built-in toy has no component configs
+    kw = dict(world_size=1, device="cuda", trainable=1, total=1, output_dir="runs/x")
+    assert line in startup_banner(cfg, planned=line, **kw).splitlines()
+    assert "memory" not in startup_banner(cfg, **kw)

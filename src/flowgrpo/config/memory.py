@@ -476,6 +476,21 @@ def format_plan(plan: Plan, title: str) -> str:
     return "\n".join(lines)
 
 
+def planned_line(cfg: Any, ranks: int, device: str, device_gb: float) -> str | None:
+    """The startup banner's line: the planner's total per rank against ``device_gb`` (the
+    device's memory), or None when the run's model cannot be planned (the built-in toy, a
+    folder without per-component config files)."""
+    try:
+        plan = plan_memory(cfg, ranks, device_gb, device=device)
+    except Exception:  # noqa: BLE001 - advisory: a model the planner cannot read never stops a run
+        return None
+    verdict = "fits" if plan.fits else "may NOT fit: flowgrpo memory PRESET ... says what to turn"
+    return (
+        f"  memory     planned {plan.total / GB:.1f} GB per rank of {device_gb:.0f} GB "
+        f"({verdict}; predicted by the planner)"
+    )
+
+
 if __name__ == "__main__":  # python -m flowgrpo.config.memory: the table of docs/memory.md
     print(docs_table())
 
@@ -487,6 +502,7 @@ __all__ = [
     "Plan",
     "build_on_meta",
     "format_plan",
+    "planned_line",
     "known_models",
     "plan_memory",
     "read_model_configs",

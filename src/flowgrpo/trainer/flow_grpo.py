@@ -441,6 +441,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             total=sum(p.numel() for p in run.engine.transformer.parameters()),
             output_dir=out,
             resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
+            planned=S.planned_memory(cfg, dist) if dist.is_main else None,
         )
     )
     if run.engine.optim_changes:

@@ -387,10 +387,12 @@ def startup_banner(
     total: int,
     output_dir: str | Path,
     resumed_from: str | Path | None = None,
+    planned: str | None = None,
 ) -> str:
     """What a run is about to do, printed once by rank 0 before the base eval: the algorithm,
     the ranks and how they split (replicas x FSDP shards x sequence-parallel groups), the
-    trainable parameters, the images of a step and the output folder."""
+    trainable parameters, the images of a step, the output folder and ``planned`` (the memory
+    planner's line, when it can plan the model)."""
     fs, s = cfg.fsdp, cfg.sample
     rep, sp = int(fs.replicate_degree), int(fs.sp_degree)
     dp = max(1, world_size // sp)
@@ -412,6 +414,8 @@ def startup_banner(
         f"checkpoint every {cfg.trainer.save_every})",
         f"  output     {output_dir}",
     ]
+    if planned is not None:
+        lines.append(planned)
     if resumed_from is not None:
         lines.append(f"  resumed    from {resumed_from}")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ streams, and the per-sample random generators that make every step a pure functi
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,18 @@ def build_eval_data(cfg: Any) -> Any:
     else:
         ev = prompt_splits(d, cfg.seed)[1]
     return repeat_for_eval(ev, d.eval_samples_per_prompt)
+
+
+def planned_memory(cfg: Any, dist: DistInfo) -> str | None:
+    """The banner's planned memory per rank (``flowgrpo.config.memory.planned_line``) against
+    this device's memory (a GPU's, or the host's on a CPU); None where it cannot be planned."""
+    from flowgrpo.config.memory import planned_line
+
+    if dist.device.type == "cuda":
+        total = torch.cuda.get_device_properties(dist.device).total_memory
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return planned_line(cfg, dist.world_size, dist.device.type, total / 1e9)
 
 
 def global_batch_size(cfg: Any) -> int:
