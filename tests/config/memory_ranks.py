@@ -57,6 +57,8 @@ def save_small_pipeline(root: Path) -> Path:
     if not (path / "model_index.json").is_file():
         tiny_pipeline("sd3", **SMALL_SD3).save_pretrained(path)
     (root / "prompts.txt").write_text("a red cat\na blue dog\na green bird\na tall tree\n")
+    # the toy's settings on an SD3 folder: a preset of our own (toy-digits refuses SD3 folders)
+    (root / "preset.yaml").write_text("base: toy-digits\n")
     return path
 
 
@@ -125,7 +127,7 @@ def _worker(rank: int, world: int, port: int, root: str, name: str, result: str)
     from flowgrpo.engine import dist as D
     from flowgrpo.trainer import flow_grpo as F
 
-    cfg = load_config(None, overrides(Path(root), name), command="train")
+    cfg = load_config(str(Path(root) / "preset.yaml"), overrides(Path(root), name), command="train")
     dist = D.init_distributed()
     D.seed_everything(cfg.seed, dist.rank)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -162,7 +164,7 @@ def planned(root: Path, name: str, world: int) -> float:
     from flowgrpo.config import load_config
     from flowgrpo.config.memory import plan_memory
 
-    cfg = load_config(None, overrides(root, name), check_paths=False)
+    cfg = load_config(str(root / "preset.yaml"), overrides(root, name), check_paths=False)
     return plan_memory(cfg, world, 1.0, device="cpu").total
 
 

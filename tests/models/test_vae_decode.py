@@ -31,7 +31,7 @@ def test_setup_applies_the_vae_settings(monkeypatch):
     from flowgrpo.trainer import setup
 
     pipe = tiny_pipeline("sd3")
-    monkeypatch.setattr(registry, "load_pipeline", lambda path, torch_dtype=None: pipe)
+    monkeypatch.setattr(registry, "load_pipeline", lambda path, torch_dtype=None, **kw: pipe)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     for slicing, tiling in ((True, False), (False, True)):
         pipe.vae.use_slicing = pipe.vae.use_tiling = False

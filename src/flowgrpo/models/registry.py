@@ -160,7 +160,7 @@ def load_pipeline(
     scheduler becomes the flow-matching Euler scheduler with the same shift).
 
     ``empty_trained``: the components the adapter trains (``trained_components``) are built
-    on the meta device instead (``flowgrpo.engine.load.build_empty``, no weight read) for the
+    on the meta device instead (``flowgrpo.models.weights.build_empty``, no weight read) for the
     engine to load sharded; a pipeline diffusers does not ship, or a component without
     safetensors weights, loads whole.
     """
@@ -197,7 +197,7 @@ def _empty_components(
 ) -> dict[str, Any]:
     """{component: the module built on the meta device} for each of ``names`` the folder holds
     as safetensors (the others load whole)."""
-    from flowgrpo.engine.load import build_empty, weight_files
+    from flowgrpo.models.weights import build_empty, weight_files
 
     out: dict[str, Any] = {}
     for component in names:
