@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import sys
 import tempfile
 from contextlib import nullcontext
@@ -34,15 +33,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from bench.ranks import free_port, rank_env
+
 FLOOR_BYTES = {"full": 18, "lora": 2}
 #: tiny width (6 heads x 64 = 384), deep: about 5.3 M parameters per block
 WIDE = dict(attention_head_dim=64, num_attention_heads=6, caption_projection_dim=384)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hwm_mb() -> float:
@@ -103,15 +98,7 @@ def _run_one(spec: dict, profile_alloc: bool) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, specs: list, profile_alloc: bool, out: str):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     import warnings
 
     import diffusers
@@ -147,7 +134,7 @@ def _spawn(world: int, specs: list, profile_alloc: bool) -> list[dict]:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            args = (world, _free_port(), specs, profile_alloc, out)
+            args = (world, free_port(), specs, profile_alloc, out)
             mp.spawn(_worker, args=args, nprocs=world, join=True)
             return json.loads(Path(out).read_text())
     finally:

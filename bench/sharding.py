@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -19,22 +18,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.ranks import free_port, rank_env
 
 
 def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(max(1, settings["threads"] // world))
+    rank_env(rank, world, port, threads=max(1, settings["threads"] // world))
     from flowgrpo.config import config_from_dict
     from flowgrpo.engine import dist as fdist
     from flowgrpo.models import build_adapter, tiny_pipeline
@@ -86,7 +74,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
 def _run(world: int, settings: dict) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(world, _free_port(), settings, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), settings, out), nprocs=world, join=True)
         return json.loads(Path(out).read_text())["step_s"]
 
 

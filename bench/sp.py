@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,13 +31,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from bench.ranks import free_port, rank_env
+
 GUIDANCE = 4.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peak_allocated_mb(prof) -> float:
@@ -106,15 +101,7 @@ def _prepare(kind: str, pm, size: int, batch: int, lora_rank: int = 8):
 
 
 def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     import warnings
 
     import diffusers
@@ -169,7 +156,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
 def _run(world: int, settings: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(world, _free_port(), settings, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), settings, out), nprocs=world, join=True)
         return json.loads(Path(out).read_text())
 
 
