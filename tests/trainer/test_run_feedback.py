@@ -336,26 +336,10 @@ def test_only_the_known_harmless_warnings_are_silenced():
 def test_two_ranks_print_one_banner_and_one_line_per_step(tmp_path):
     """2 CLI processes (as torchrun starts them): rank 0 prints the banner (2 ranks, 4 images
     each) and the step lines; rank 1 prints none of it."""
-    import os
-    import socket
-    import subprocess
+    from cli_ranks import start_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK=str(rank))
-        env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=port, PYTHONPATH=src)
-        args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *SMALL]
-        args += [f"run.output_dir={tmp_path / 'ddp'}", "trainer.max_steps=1"]
-        procs.append(
-            subprocess.Popen(
-                args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
+    args = ["train", "toy-digits", *SMALL, f"run.output_dir={tmp_path / 'ddp'}"]
+    procs = start_ranks([*args, "trainer.max_steps=1"], stdout=True)
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     rank0, rank1 = outs[0][0], outs[1][0]

@@ -151,17 +151,11 @@ def test_the_lock_under_torchrun_two_ranks(tmp_path):
     out = tmp_path / "ddp"
     out.mkdir()
 
+    from cli_ranks import start_ranks
+
     def two_ranks() -> tuple[list[int], list[list[str]]]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
-        procs = []
-        for rank in range(2):
-            env = _env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *SMALL]
-            args += [f"run.output_dir={out}", "trainer.max_steps=1"]
-            procs.append(subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True))
+        args = ["train", "toy-digits", *SMALL, f"run.output_dir={out}", "trainer.max_steps=1"]
+        procs = start_ranks(args)
         errs = [p.communicate(timeout=180)[1] for p in procs]
         lines = [[x for x in e.splitlines() if x.startswith("flowgrpo: error")] for e in errs]
         return [p.returncode for p in procs], lines

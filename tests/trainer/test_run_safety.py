@@ -5,9 +5,6 @@ and failures while running are one line on stderr naming the culprit, exit 1, on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -152,25 +149,13 @@ def flaky(images, prompts, metadata):
 def test_a_failure_on_one_rank_is_reported_once_and_every_rank_exits(tmp_path):
     """2 CLI processes (as torchrun starts them): the reward fails on rank 1 only. Exactly one
     line in all, from rank 1; both exit 1; nothing hangs (the timeout would fail the test)."""
-    import socket
+    from cli_ranks import start_ranks
 
     (tmp_path / "flakymod.py").write_text(REWARD)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK=str(rank))
-        env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=port, PYTHONPATH=os.pathsep.join([src, str(tmp_path)]))
-        args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *SMALL]
-        args += [
-            f"run.output_dir={tmp_path / 'ddp'}",
-            "trainer.max_steps=2",
-            "reward=flakymod:flaky",
-        ]
-        procs.append(subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True))
+    args = ["train", "toy-digits", *SMALL, f"run.output_dir={tmp_path / 'ddp'}"]
+    procs = start_ranks(
+        [*args, "trainer.max_steps=2", "reward=flakymod:flaky"], pythonpath=[str(tmp_path)]
+    )
     errs = [p.communicate(timeout=180)[1] for p in procs]
     assert [p.returncode for p in procs] == [1, 1], errs
     lines = [[x for x in e.splitlines() if x.startswith("flowgrpo: error")] for e in errs]
