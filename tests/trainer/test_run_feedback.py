@@ -21,6 +21,8 @@ from flowgrpo.config import load_config
 from flowgrpo.trainer.logging import RunLogger, make_grid, read_jsonl, save_images, step_line
 from random_toy import random_toy_path
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = [
     f"model.path={random_toy_path()}",
     "sample.prompts_per_step=2",
@@ -35,14 +37,6 @@ SMALL = [
     "run.tensorboard=false",
 ]
 CONSTANT_REWARD = "import torch\n\ndef score(images, prompts, metadata):\n    return torch.full((len(images),), 0.5)\n"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def train(out: Path, *extra: str) -> dict:

@@ -16,22 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from test_run_safety import SMALL
 
 from flowgrpo import cli
 from flowgrpo.trainer.logging import read_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def train(capsys, out: Path, *extra: str) -> tuple[int, list[str], list[str]]:

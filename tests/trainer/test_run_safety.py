@@ -14,7 +14,7 @@ from flowgrpo import cli
 from flowgrpo.trainer.logging import read_jsonl
 from random_toy import random_toy_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 SMALL = [
     f"model.path={random_toy_path()}",  # random init: independent of the shipped asset
@@ -30,14 +30,6 @@ SMALL = [
     "run.progress_bar=false",
     "run.tensorboard=false",
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_cli(capsys, out: Path, *extra: str) -> tuple[int, list[str]]:

@@ -21,6 +21,8 @@ from flowgrpo import cli
 from flowgrpo.config import ConfigError, load_config
 from random_toy import random_toy_path
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [  # a run of 1-2 steps of 2 prompts x 2 samples, 2 sampling steps, 32 x 48 images
     "sample.prompts_per_step=2",
@@ -36,14 +38,6 @@ TINY = [  # a run of 1-2 steps of 2 prompts x 2 samples, 2 sampling steps, 32 x 
     "run.num_threads=1",
 ]
 TOY = [f"model.path={random_toy_path()}", *TINY]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
