@@ -107,7 +107,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(commented_yaml(cfg), end="")
         return 0
     cfg = load_config(preset, overrides, command="train")
-    from flowgrpo.trainer.flow_grpo import run_training
+    from flowgrpo.trainer.loop import run_training
 
     return _in_process_group(cfg, lambda: run_training(cfg))
 
@@ -167,7 +167,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("flowgrpo sample needs --prompts TEXT ... or --prompt-file FILE")
     cfg = _config_of_checkpoint(args, "sample")
-    from flowgrpo.trainer.flow_grpo import run_sample
+    from flowgrpo.trainer.loop import run_sample
 
     def job() -> None:
         paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out)
@@ -180,7 +180,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     extra = [f"data.eval_prompts={args.prompt_file}"] if args.prompt_file else []
     cfg = _config_of_checkpoint(args, "eval", extra)
-    from flowgrpo.trainer.flow_grpo import run_eval
+    from flowgrpo.trainer.loop import run_eval
 
     def job() -> None:
         metrics = run_eval(cfg, _checkpoint(args.checkpoint))
@@ -196,7 +196,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_export_lora(args: argparse.Namespace) -> int:
     cfg = _config_of_checkpoint(args, "export")
-    from flowgrpo.trainer.flow_grpo import run_export_lora
+    from flowgrpo.trainer.loop import run_export_lora
 
     def job() -> None:
         path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full, raw=args.raw)

@@ -335,7 +335,7 @@ def test_same_latent_groups_share_their_initial_noise_in_any_split(dist1, tmp_pa
     noise (its SDE noise stays per sample); a different chunking (another rank split) gives the
     same samples; without it each sample has its own start."""
     from flowgrpo.config import load_config
-    from flowgrpo.trainer.flow_grpo import Run, rollout
+    from flowgrpo.trainer.loop import Run, rollout
 
     def run_for(same: bool, chunk: int) -> Run:
         over = ["trainer.max_steps=1", f"sample.same_latent={str(same).lower()}",

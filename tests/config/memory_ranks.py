@@ -125,7 +125,7 @@ def _worker(rank: int, world: int, port: int, root: str, name: str, result: str)
 
     from flowgrpo.config import load_config
     from flowgrpo.engine import dist as D
-    from flowgrpo.trainer import flow_grpo as F
+    from flowgrpo.trainer import loop as F
 
     cfg = load_config(str(Path(root) / "preset.yaml"), overrides(Path(root), name), command="train")
     dist = D.init_distributed()

@@ -17,9 +17,9 @@ from flowgrpo.config.schema import DEFAULT_PRESET
 
 @pytest.fixture
 def fake_trainer(monkeypatch):
-    """Stand-in for flowgrpo.trainer.flow_grpo recording what the CLI passes."""
+    """Stand-in for flowgrpo.trainer.loop recording what the CLI passes."""
     calls: dict = {}
-    mod = types.ModuleType("flowgrpo.trainer.flow_grpo")
+    mod = types.ModuleType("flowgrpo.trainer.loop")
     mod.run_training = lambda cfg: calls.setdefault("train", cfg)
     mod.run_sample = lambda cfg, ckpt, prompts, out: (
         calls.setdefault("sample", (cfg, ckpt, prompts, out))
@@ -29,7 +29,7 @@ def fake_trainer(monkeypatch):
     mod.run_export_lora = lambda cfg, ckpt, out, full=False, raw=False: calls.setdefault(
         "export", (cfg, ckpt, out, full)
     )[2]
-    monkeypatch.setitem(sys.modules, "flowgrpo.trainer.flow_grpo", mod)
+    monkeypatch.setitem(sys.modules, "flowgrpo.trainer.loop", mod)
     return calls
 
 

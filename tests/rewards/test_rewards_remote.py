@@ -155,7 +155,7 @@ def test_a_hung_server_stops_training_after_one_timeout_without_a_per_sample_sea
     timeout x retries x (1 + samples)."""
     from flowgrpo.errors import RunError
     from flowgrpo.rewards import AsyncRewardScorer
-    from flowgrpo.trainer.flow_grpo import reward_failures
+    from flowgrpo.trainer.loop import reward_failures
 
     images, prompts, meta = _batch(4)
     where = [f"prompts.txt:{i + 1}" for i in range(4)]

@@ -37,18 +37,18 @@ def main() -> int:
     from flowgrpo import cli
     from flowgrpo.algorithms import flow_grpo as flow_grpo_algo
     from flowgrpo.engine import checkpoint
-    from flowgrpo.trainer import flow_grpo
+    from flowgrpo.trainer import loop
 
     if point == "none":
         pass
     elif point == "rollout":
-        kill_on(flow_grpo, "sample_trajectories", hit)
+        kill_on(loop, "sample_trajectories", hit)
     elif point == "train":
         kill_on(flow_grpo_algo.FlowGRPO, "step_loss", hit)
     elif point == "save":
         kill_on(checkpoint, "_write_marker", hit)
     elif point == "eval":
-        real = flow_grpo.rollout
+        real = loop.rollout
         calls = [0]
 
         def rollout(run, *args, eval=False, **kwargs):
@@ -58,7 +58,7 @@ def main() -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
             return real(run, *args, eval=eval, **kwargs)
 
-        flow_grpo.rollout = rollout
+        loop.rollout = rollout
     elif point == "enospc":
         import errno
 

@@ -31,40 +31,40 @@ SMALL = [
 
 
 def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path):
-    from flowgrpo.trainer import flow_grpo
+    from flowgrpo.trainer import loop
 
     torch.set_num_threads(1)
     plain, cached = tmp_path / "plain", tmp_path / "cached"
-    flow_grpo.run_training(load_config("toy-digits", [*SMALL, f"run.output_dir={plain}"]))
+    loop.run_training(load_config("toy-digits", [*SMALL, f"run.output_dir={plain}"]))
     cache = tmp_path / "cache"
     extra = [f"model.embed_cache_dir={cache}", "model.text_encoder_offload=free"]
     seen = {}
-    real_prepare = flow_grpo.S.prepare_prompt_cache
+    real_prepare = loop.S.prepare_prompt_cache
 
     def spy(cfg, adapter, dist, sets):
         real_prepare(cfg, adapter, dist, sets)
         seen["cache"], seen["pipe"] = adapter.prompt_cache, adapter.pipe
 
-    flow_grpo.S.prepare_prompt_cache = spy
+    loop.S.prepare_prompt_cache = spy
     try:
-        flow_grpo.run_training(
+        loop.run_training(
             load_config("toy-digits", [*SMALL, f"run.output_dir={cached}", *extra])
         )
         first = seen["cache"]
         assert seen["pipe"].text_encoder is None  # freed once every prompt was cached
         assert first.misses > 0 and first.hits > 0
         again = tmp_path / "again"
-        flow_grpo.run_training(
+        loop.run_training(
             load_config("toy-digits", [*SMALL, f"run.output_dir={again}", *extra])
         )
         assert seen["cache"].misses == 0  # the second run encodes nothing
         # `flowgrpo sample` prompts are cached before the text encoder is freed
         out = tmp_path / "sample-run"
         cfg = load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra], command="sample")
-        files = flow_grpo.run_sample(cfg, None, ["the digit seven"], tmp_path / "samples")
+        files = loop.run_sample(cfg, None, ["the digit seven"], tmp_path / "samples")
         assert len(files) == 1 and seen["pipe"].text_encoder is None
     finally:
-        flow_grpo.S.prepare_prompt_cache = real_prepare
+        loop.S.prepare_prompt_cache = real_prepare
     a, b = read_jsonl(plain / "metrics.jsonl"), read_jsonl(cached / "metrics.jsonl")
     assert [deterministic_view(r) for r in a] == [deterministic_view(r) for r in b]
     assert read_jsonl(plain / "eval.jsonl") == read_jsonl(cached / "eval.jsonl")

@@ -40,7 +40,7 @@ CONSTANT_REWARD = "import torch\n\ndef score(images, prompts, metadata):\n    re
 
 
 def train(out: Path, *extra: str) -> dict:
-    from flowgrpo.trainer.flow_grpo import run_training
+    from flowgrpo.trainer.loop import run_training
 
     cfg = load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra], command="train")
     return run_training(cfg)

@@ -213,9 +213,9 @@ def test_a_crash_before_the_first_checkpoint_does_not_repeat_the_step_0_eval(tmp
 
 def test_a_run_folder_deleted_mid_run_is_an_error(tmp_path, capsys, monkeypatch):
     """Before: the run wrote on into deleted files and exited 0, its metrics lost."""
-    from flowgrpo.trainer import flow_grpo
+    from flowgrpo.trainer import loop
 
-    out, real = tmp_path / "gone", flow_grpo.train_one_step
+    out, real = tmp_path / "gone", loop.train_one_step
 
     def step_then_delete(run, step):
         metrics = real(run, step)
@@ -223,7 +223,7 @@ def test_a_run_folder_deleted_mid_run_is_an_error(tmp_path, capsys, monkeypatch)
             shutil.rmtree(out)
         return metrics
 
-    monkeypatch.setattr(flow_grpo, "train_one_step", step_then_delete)
+    monkeypatch.setattr(loop, "train_one_step", step_then_delete)
     code, _, errors = train(capsys, out, "trainer.max_steps=2")
     assert code == 1
     assert errors == [

@@ -1,6 +1,6 @@
-"""The Flow-GRPO training loop (``flow_grpo``) and its logging (``logging``).
+"""The training loop (``loop``) and its logging (``logging``).
 
-Import the entry points from ``flowgrpo.trainer.flow_grpo``; this package imports nothing heavy.
+Import the entry points from ``flowgrpo.trainer.loop``; this package imports nothing heavy.
 """
 
 __all__ = ["run_eval", "run_export_lora", "run_sample", "run_training"]
@@ -8,7 +8,7 @@ __all__ = ["run_eval", "run_export_lora", "run_sample", "run_training"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from flowgrpo.trainer import flow_grpo
+        from flowgrpo.trainer import loop
 
-        return getattr(flow_grpo, name)
+        return getattr(loop, name)
     raise AttributeError(name)
