@@ -345,10 +345,11 @@ def test_same_latent_groups_share_their_initial_noise_in_any_split(dist1, tmp_pa
     prompts = ["a handwritten 1"] * 3 + ["a handwritten 2"] * 3
     groups, idx = [0, 0, 0, 1, 1, 1], list(range(6))
     run = run_for(True, 6)
+    plan = run.rollout_plan(1)  # the same for each run: chunking and same_latent are not in it
     with torch.no_grad():
-        whole = rollout(run, prompts, idx, 1, groups=groups)
-        split = rollout(run_for(True, 2), prompts[3:], idx[3:], 1, groups=groups[3:])
-        own = rollout(run_for(False, 6), prompts, idx, 1, groups=groups)
+        whole = rollout(run, prompts, idx, 1, plan, groups=groups)
+        split = rollout(run_for(True, 2), prompts[3:], idx[3:], 1, plan, groups=groups[3:])
+        own = rollout(run_for(False, 6), prompts, idx, 1, plan, groups=groups)
     start = whole.latents[:, 0]
     assert torch.equal(start[0], start[1]) and torch.equal(start[0], start[2])
     assert torch.equal(start[3], start[5]) and not torch.equal(start[0], start[3])

@@ -124,23 +124,23 @@ def _worker(rank: int, world: int, port: int, root: str, name: str, result: str)
     from torch.profiler import ProfilerActivity, profile
 
     from flowgrpo.config import load_config
-    from flowgrpo.engine import dist as D
-    from flowgrpo.trainer import loop as F
+    from flowgrpo.engine.dist import cleanup, init_distributed, seed_everything
+    from flowgrpo.trainer.loop import Run, train_one_step
 
     cfg = load_config(str(Path(root) / "preset.yaml"), overrides(Path(root), name), command="train")
-    dist = D.init_distributed()
-    D.seed_everything(cfg.seed, dist.rank)
+    dist = init_distributed()
+    seed_everything(cfg.seed, dist.rank)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run = F.Run(cfg, dist)
+        run = Run(cfg, dist)
         state = live_bytes()  # what the built run holds (loading's transients excluded)
         marker = torch.empty(MARK, dtype=torch.uint8)
         del marker
         for step in (1, 2):  # step 2: the optimizer's moments exist during the backward
-            F.train_one_step(run, step)
+            train_one_step(run, step)
     peak = state + _rise_after_mark(prof)
     if rank == 0:
         Path(result).write_text(json.dumps({"peak": peak}))
-    D.cleanup()
+    cleanup()
     os._exit(0)  # the CPU profiler can abort at interpreter exit (see bench/sp.py)
 
 

@@ -30,7 +30,7 @@ SMALL = [
 ]
 
 
-def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path):
+def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path, monkeypatch):
     from flowgrpo.trainer import loop
 
     torch.set_num_threads(1)
@@ -39,32 +39,25 @@ def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path):
     cache = tmp_path / "cache"
     extra = [f"model.embed_cache_dir={cache}", "model.text_encoder_offload=free"]
     seen = {}
-    real_prepare = loop.S.prepare_prompt_cache
+    real_prepare = loop.prepare_prompt_cache
 
     def spy(cfg, adapter, dist, sets):
         real_prepare(cfg, adapter, dist, sets)
         seen["cache"], seen["pipe"] = adapter.prompt_cache, adapter.pipe
 
-    loop.S.prepare_prompt_cache = spy
-    try:
-        loop.run_training(
-            load_config("toy-digits", [*SMALL, f"run.output_dir={cached}", *extra])
-        )
-        first = seen["cache"]
-        assert seen["pipe"].text_encoder is None  # freed once every prompt was cached
-        assert first.misses > 0 and first.hits > 0
-        again = tmp_path / "again"
-        loop.run_training(
-            load_config("toy-digits", [*SMALL, f"run.output_dir={again}", *extra])
-        )
-        assert seen["cache"].misses == 0  # the second run encodes nothing
-        # `flowgrpo sample` prompts are cached before the text encoder is freed
-        out = tmp_path / "sample-run"
-        cfg = load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra], command="sample")
-        files = loop.run_sample(cfg, None, ["the digit seven"], tmp_path / "samples")
-        assert len(files) == 1 and seen["pipe"].text_encoder is None
-    finally:
-        loop.S.prepare_prompt_cache = real_prepare
+    monkeypatch.setattr(loop, "prepare_prompt_cache", spy)
+    loop.run_training(load_config("toy-digits", [*SMALL, f"run.output_dir={cached}", *extra]))
+    first = seen["cache"]
+    assert seen["pipe"].text_encoder is None  # freed once every prompt was cached
+    assert first.misses > 0 and first.hits > 0
+    again = tmp_path / "again"
+    loop.run_training(load_config("toy-digits", [*SMALL, f"run.output_dir={again}", *extra]))
+    assert seen["cache"].misses == 0  # the second run encodes nothing
+    # `flowgrpo sample` prompts are cached before the text encoder is freed
+    out = tmp_path / "sample-run"
+    cfg = load_config("toy-digits", [*SMALL, f"run.output_dir={out}", *extra], command="sample")
+    files = loop.run_sample(cfg, None, ["the digit seven"], tmp_path / "samples")
+    assert len(files) == 1 and seen["pipe"].text_encoder is None
     a, b = read_jsonl(plain / "metrics.jsonl"), read_jsonl(cached / "metrics.jsonl")
     assert [deterministic_view(r) for r in a] == [deterministic_view(r) for r in b]
     assert read_jsonl(plain / "eval.jsonl") == read_jsonl(cached / "eval.jsonl")

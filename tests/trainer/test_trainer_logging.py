@@ -19,7 +19,7 @@ from flowgrpo.trainer.logging import (
     summary_table,
     truncate_jsonl,
 )
-from flowgrpo.trainer.setup import generators, padded_shard, sample_seed, shard
+from flowgrpo.trainer.setup import generators, padded_shard, sample_seed
 
 
 def test_make_grid_upscales_nearest_with_square_cells():
@@ -105,9 +105,14 @@ def test_per_sample_noise_depends_on_seed_step_index_only():
 
 
 def test_shards_cover_the_batch():
-    assert [shard(12, r, 3) for r in range(3)] == [(0, 4), (4, 4), (8, 4)]
+    from flowgrpo.data.prompts import check_divides, rank_slice
+
+    assert [rank_slice(12, 3, r) for r in range(3)] == [(0, 4), (4, 4), (8, 4)]
+    check_divides(12, 3)
     with pytest.raises(ValueError, match="divide evenly over 3 data-parallel ranks"):
-        shard(10, 0, 3)
+        check_divides(10, 3)
+    with pytest.raises(ValueError, match="divide evenly over 3 data-parallel ranks"):
+        rank_slice(10, 3, 0)
     parts = [padded_shard(7, r, 3) for r in range(3)]  # 3 per rank, the last padded
     assert parts == [([0, 1, 2], 3), ([3, 4, 5], 3), ([6, 6, 6], 1)]
 

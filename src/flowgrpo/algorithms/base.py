@@ -41,7 +41,8 @@ class RolloutPlan:
     the algorithm changes them). ``sigmas``: a custom grid [N + 1] (else the pipeline's);
     ``ode_solver``: "euler", or "dpm2" (DPM-Solver++ 2M) for the ODE steps after the SDE
     window; ``record_means``: keep each trained step's Gaussian mean (the old policy's);
-    ``train``: False when this step has nothing to train (the update is skipped)."""
+    ``train``: False when this step has nothing to train (the update is skipped);
+    ``num_frames``: frames per video (None: the adapter's default, or an image family)."""
 
     num_steps: int
     guidance_scale: float
@@ -53,6 +54,7 @@ class RolloutPlan:
     sigmas: torch.Tensor | None = None
     ode_solver: str = "euler"
     record_means: bool = False
+    num_frames: int | None = None
     train: bool = True
 
     def sampler_kwargs(self) -> dict[str, Any]:

@@ -201,15 +201,21 @@ def repeat_for_eval(ds: PromptDataset, samples_per_prompt: int) -> PromptDataset
     return ds.subset(idx)
 
 
-def rank_slice(n: int, world_size: int, rank: int) -> tuple[int, int]:
-    """(start, count): rank ``rank``'s equal, contiguous share of a step's ``n`` samples;
-    ValueError when ``n`` does not divide over the ranks."""
+def check_divides(n: int, world_size: int) -> None:
+    """ValueError when a step's ``n`` samples do not divide evenly over ``world_size``
+    data-parallel ranks (each rank takes an equal share, ``rank_slice``)."""
     if n % world_size:
         raise ValueError(
             f"the global batch (sample.prompts_per_step x sample.group_size = {n} images per "
             f"step) must divide evenly over {world_size} data-parallel ranks (the world size / "
             "fsdp.sp_degree): adjust sample.prompts_per_step or sample.group_size"
         )
+
+
+def rank_slice(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(start, count): rank ``rank``'s equal, contiguous share of a step's ``n`` samples;
+    ValueError when ``n`` does not divide over the ranks (``check_divides``)."""
+    check_divides(n, world_size)
     count = n // world_size
     return rank * count, count
 
@@ -308,6 +314,7 @@ __all__ = [
     "KRepeatSampler",
     "PromptDataset",
     "builtin_prompts",
+    "check_divides",
     "load_prompts",
     "rank_slice",
     "prompt_splits",

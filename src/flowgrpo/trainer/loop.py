@@ -11,6 +11,7 @@ a straight run exactly. Eval uses the ODE sampler on fixed prompts with fixed no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,13 +21,21 @@ import torch
 
 from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.algorithms.base import RolloutPlan
+from flowgrpo.config.loader import config_to_dict
 from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
-from flowgrpo.engine import dist as D
+from flowgrpo.data.prompts import check_divides, rank_slice
+from flowgrpo.engine.dist import (
+    DistInfo,
+    all_gather_object,
+    all_gather_tensor,
+    barrier,
+    init_distributed,
+    seed_everything,
+)
 from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
 from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
-from flowgrpo.trainer import setup as S
 from flowgrpo.trainer.logging import (
     RunLogger,
     save_grid,
@@ -35,6 +44,29 @@ from flowgrpo.trainer.logging import (
     write_final_report,
 )
 from flowgrpo.trainer.quiet import quiet_known_noise
+from flowgrpo.trainer.setup import (
+    EVAL_SALT,
+    SAMPLE_SALT,
+    build_adapter_for,
+    build_data,
+    build_engine,
+    build_eval_data,
+    build_rewards,
+    generators,
+    global_batch_size,
+    grid_layout,
+    group_generators,
+    new_run_id,
+    optim_changes_line,
+    padded_shard,
+    planned_memory,
+    prepare_output_dir,
+    prepare_prompt_cache,
+    release_output_dir,
+    resolve_checkpoint,
+    resolve_resume,
+    sample_seed,
+)
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
 # no advantage signal, so such a step logs them as absent
@@ -47,30 +79,32 @@ class Run:
     "sample" and "export" neither prompts nor rewards."""
 
     def __init__(
-        self, cfg: Any, dist: D.DistInfo, purpose: str = "train", prompts: tuple[str, ...] = ()
+        self, cfg: Any, dist: DistInfo, purpose: str = "train", prompts: tuple[str, ...] = ()
     ) -> None:
         self.cfg, self.dist = cfg, dist
         quiet_known_noise(dist.is_main)  # loading bars from rank 0, known-harmless warnings
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
-        self.adapter = S.build_adapter_for(cfg, dist)
-        self.engine, self.algorithm = S.build_engine(cfg, self.adapter, dist)
+        self.adapter = build_adapter_for(cfg, dist)
+        self.engine, self.algorithm = build_engine(cfg, self.adapter, dist)
+        # frames per video (None: an image family), checked once; every rollout plan carries it
+        self.num_frames = self.adapter.check_num_frames(cfg.model.num_frames)
         self.reward = self.eval_reward = self.train_data = self.sampler = self.eval_set = None
         if purpose in ("train", "eval"):
-            self.reward = S.build_rewards(cfg.reward, dist.device)
+            self.reward = build_rewards(cfg.reward, dist.device)
             # eval only, the whole set at once
-            self.eval_reward = S.build_rewards(cfg.eval_reward, dist.device)
+            self.eval_reward = build_rewards(cfg.eval_reward, dist.device)
             if purpose == "train":
-                self.train_data, self.sampler, self.eval_set = S.build_data(cfg)
+                self.train_data, self.sampler, self.eval_set = build_data(cfg)
             else:
-                self.eval_set = S.build_eval_data(cfg)
+                self.eval_set = build_eval_data(cfg)
         sets = [list(prompts)]  # every prompt this run encodes reaches the embedding cache
         sets += [d.prompts for d in (self.train_data, self.eval_set) if d is not None]
-        S.prepare_prompt_cache(cfg, self.adapter, dist, sets)
+        prepare_prompt_cache(cfg, self.adapter, dist, sets)
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
         self.grid_index, self.grid_cols = set(), 1
         if self.eval_set is not None:
-            self.grid_index, self.grid_cols = S.grid_layout(
+            self.grid_index, self.grid_cols = grid_layout(
                 len(self.eval_set), cfg.data.eval_samples_per_prompt
             )
         # the checkpoint holding the current weights (None: changed since), whether a rollout
@@ -85,28 +119,16 @@ class Run:
             self.engine.ema_weights() if on and self.cfg.ema.enabled else contextlib.nullcontext()
         )
 
+    def rollout_plan(self, step: int) -> RolloutPlan:
+        """The training rollout of ``step``: the algorithm's plan, with the run's frame count.
+        A step computes it once: its rollout samples it and its update is skipped when
+        ``train`` is False."""
+        return dataclasses.replace(self.algorithm.rollout_plan(step), num_frames=self.num_frames)
 
-# -- rollout + reward + update -----------------------------------------------------------------
-
-
-def rollout(
-    run: Run,
-    prompts: list[str],
-    indices: list[int],
-    step: int,
-    *,
-    eval: bool = False,
-    on_chunk: Callable[[Trajectory, slice], None] | None = None,
-    groups: list[int] | None = None,
-) -> Trajectory:
-    """Sample ``prompts`` in chunks of ``sample.rollout_batch_size``; sample i's noise comes
-    from (seed, step, indices[i]), its initial noise from its group ``groups[i]`` instead with
-    ``sample.same_latent``. Training: as the algorithm's ``rollout_plan(step)`` says; eval: ODE
-    with the eval steps/guidance. ``on_chunk(traj, rows)`` is called as each chunk finishes
-    (async reward scoring)."""
-    s, m, parts = run.cfg.sample, run.cfg.model, []
-    if eval:
-        plan = RolloutPlan(
+    def eval_plan(self) -> RolloutPlan:
+        """Eval and ``flowgrpo sample`` rollouts: ODE with the eval steps and guidance."""
+        s = self.cfg.sample
+        return RolloutPlan(
             num_steps=s.eval_num_steps,
             guidance_scale=(
                 s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
@@ -116,16 +138,37 @@ def rollout(
             sde_window=None,
             timestep_fraction=1.0,
             deterministic_last_step=s.deterministic_last_step,
+            num_frames=self.num_frames,
         )
-    else:
-        plan = run.algorithm.rollout_plan(step)
+
+
+# -- rollout + reward + update -----------------------------------------------------------------
+
+
+def rollout(
+    run: Run,
+    prompts: list[str],
+    indices: list[int],
+    step: int,
+    plan: RolloutPlan,
+    *,
+    eval: bool = False,
+    on_chunk: Callable[[Trajectory, slice], None] | None = None,
+    groups: list[int] | None = None,
+) -> Trajectory:
+    """Sample ``prompts`` as ``plan`` says (``run.rollout_plan(step)``, or ``run.eval_plan()``
+    with ``eval``) in chunks of ``sample.rollout_batch_size``; sample i's noise comes from
+    (seed, step, indices[i]), its initial noise from its group ``groups[i]`` instead with
+    ``sample.same_latent`` (training only). ``on_chunk(traj, rows)`` is called as each chunk
+    finishes (async reward scoring)."""
+    s, m, parts = run.cfg.sample, run.cfg.model, []
     chunk = max(1, s.rollout_batch_size)
     for lo in range(0, len(prompts), chunk):
         rows = slice(lo, lo + chunk)
-        gens = S.generators(run.cfg.seed, step, indices[rows], run.dist.device)
+        gens = generators(run.cfg.seed, step, indices[rows], run.dist.device)
         init = None
         if not eval and s.same_latent:
-            init = S.group_generators(run.cfg.seed, step, groups[rows], run.dist.device)
+            init = group_generators(run.cfg.seed, step, groups[rows], run.dist.device)
         traj = sample_trajectories(
             run.adapter,
             prompts[rows],
@@ -170,6 +213,7 @@ def diverged_message(run: Run, what: str) -> str:
 
 def score(
     run: Run,
+    plan: RolloutPlan,
     prompts: list[str],
     metadata: list[dict],
     indices: list[int],
@@ -177,17 +221,17 @@ def score(
     locations: list[str],
     groups: list[int] | None = None,
 ):
-    """Rollout + rewards of this rank's samples (of groups ``groups``) -> (trajectory,
+    """Rollout (``plan``) + rewards of this rank's samples (of groups ``groups``) -> (trajectory,
     {name: [n]}, reward seconds).
     With ``advantage.async_reward`` chunks are scored in a thread while the next one samples.
     A failing reward is a RunError naming the reward and, when only some samples fail, the
     first failing sample's prompt-file line (``locations``)."""
     if run.engine.sp_rank:  # an SP group's other ranks sample alike but do not score
         with run.algorithm.rollout_weights():
-            return rollout(run, prompts, indices, step, groups=groups), None, 0.0
+            return rollout(run, prompts, indices, step, plan, groups=groups), None, 0.0
     with run.algorithm.rollout_weights():
         if not run.cfg.advantage.async_reward:
-            traj = rollout(run, prompts, indices, step, groups=groups)
+            traj = rollout(run, prompts, indices, step, plan, groups=groups)
             t = time.perf_counter()
             with reward_failures(
                 run.reward, traj.images, prompts, metadata, locations, f"step {step}"
@@ -201,6 +245,7 @@ def score(
                 prompts,
                 indices,
                 step,
+                plan,
                 groups=groups,
                 on_chunk=lambda tr, rows: futures.append(
                     scorer.submit(tr.images, prompts[rows], metadata[rows])
@@ -249,16 +294,16 @@ def gather_rewards(run: Run, rewards: dict[str, torch.Tensor] | None):
     on the others): its rewards stand for the group's."""
     if run.engine.dp_size == run.dist.world_size:
         return {
-            k: D.all_gather_tensor(v.to(run.dist.device)).cpu() for k, v in sorted(rewards.items())
+            k: all_gather_tensor(v.to(run.dist.device)).cpu() for k, v in sorted(rewards.items())
         }
-    parts = [p for p in D.all_gather_object(rewards) if p is not None]
+    parts = [p for p in all_gather_object(rewards) if p is not None]
     return {k: torch.cat([p[k] for p in parts]) for k in sorted(parts[0])}
 
 
 def gather_group_firsts(run: Run, obj: Any) -> list[Any]:
     """Every rank's ``obj``, one per SP group (in data-parallel order)."""
     sp = run.dist.world_size // run.engine.dp_size
-    return D.all_gather_object(obj)[::sp]
+    return all_gather_object(obj)[::sp]
 
 
 def train_one_step(run: Run, step: int) -> dict[str, Any]:
@@ -268,12 +313,13 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(dist.device)
     t0 = time.perf_counter()
     indices, groups = run.sampler.global_step_samples(step - 1)  # all ranks, groups of K
-    start, count = S.shard(len(indices), run.engine.dp_rank, run.engine.dp_size)
+    start, count = rank_slice(len(indices), run.engine.dp_size, run.engine.dp_rank)
     mine = list(range(start, start + count))  # this rank's global sample numbers
     prompts, metadata = run.train_data.select(indices[start : start + count])
     locations = [run.train_data.locations[i] for i in indices[start : start + count]]
     mine_groups = groups[start : start + count]
-    traj, local, reward_s = score(run, prompts, metadata, mine, step, locations, mine_groups)
+    plan = run.rollout_plan(step)
+    traj, local, reward_s = score(run, plan, prompts, metadata, mine, step, locations, mine_groups)
     t2 = time.perf_counter()
     rewards = gather_rewards(run, local)
     group_ids = torch.tensor(groups)
@@ -282,11 +328,11 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     )
     advantages = combined.advantages[start : start + count].to(dist.device)
     train_metrics = {}
-    if run.algorithm.rollout_plan(step).train:  # MixGRPO's empty window trains nothing
-        seeds = [S.sample_seed(cfg.seed, step, i) for i in mine]
+    if plan.train:  # MixGRPO's empty window trains nothing
+        seeds = [sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
     t3 = time.perf_counter()
-    memory = D.all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
+    memory = all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
     if not bool(combined.advantages.any()):  # every group's rewards were equal
         train_metrics = {
             k: v for k, v in train_metrics.items() if f"train/{k}" not in RATIO_METRICS
@@ -344,10 +390,10 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
     grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
     eval", "eval at step 4")."""
     ev = run.eval_set
-    idx, real = S.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
+    idx, real = padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
     with run.ema():
-        images = rollout(run, prompts, idx, S.EVAL_SALT, eval=True).images[:real]
+        images = rollout(run, prompts, idx, EVAL_SALT, run.eval_plan(), eval=True).images[:real]
     where = [ev.locations[i] for i in idx[:real]]
     local = None
     if run.engine.sp_rank == 0:  # an SP group scores once
@@ -381,19 +427,19 @@ def run_training(cfg: Any) -> dict[str, Any]:
     try:
         return _run_training(cfg)
     finally:
-        S.release_output_dir()
+        release_output_dir()
 
 
 def _run_training(cfg: Any) -> dict[str, Any]:
     wall0 = time.perf_counter()
-    dist = D.init_distributed()
-    D.seed_everything(cfg.seed, dist.rank)
+    dist = init_distributed()
+    seed_everything(cfg.seed, dist.rank)
     tr = cfg.trainer
     if dist.world_size % cfg.fsdp.sp_degree == 0:  # a clear error before the folder or model
-        S.shard(S.global_batch_size(cfg), 0, dist.world_size // cfg.fsdp.sp_degree)
-    out = S.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
+        check_divides(global_batch_size(cfg), dist.world_size // cfg.fsdp.sp_degree)
+    out = prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
     ckpt_root = out / "checkpoints"
-    resume_from = S.resolve_resume(tr.resume, ckpt_root)
+    resume_from = resolve_resume(tr.resume, ckpt_root)
     if resume_from is not None:  # before anything heavy loads
         check_resume(cfg, resume_from)
     record = record_text(cfg)  # config.yaml of the run folder and of each checkpoint
@@ -417,8 +463,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         state.setdefault("run_id", run_id_of(resume_from))  # checkpoints from before run ids
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
-        state["run_id"] = S.new_run_id()
-    global_batch = S.global_batch_size(cfg)
+        state["run_id"] = new_run_id()
+    global_batch = global_batch_size(cfg)
     logger = RunLogger(
         out,
         enabled=dist.is_main,
@@ -428,7 +474,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         wandb=cfg.run.wandb_mode if cfg.run.wandb else None,
         wandb_project=cfg.run.wandb_project,
         run_name=cfg.run.name,
-        config=S.config_dict(cfg),
+        config=config_to_dict(cfg),
         progress=cfg.run.progress_bar,
         log_every=tr.log_every,
     )
@@ -441,11 +487,11 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             total=sum(p.numel() for p in run.engine.transformer.parameters()),
             output_dir=out,
             resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
-            planned=S.planned_memory(cfg, dist) if dist.is_main else None,
+            planned=planned_memory(cfg, dist) if dist.is_main else None,
         )
     )
     if run.engine.optim_changes:
-        logger.write(S.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
+        logger.write(optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
         t = time.perf_counter()
         state["base_eval"], grid = evaluate(run, "base eval")
@@ -509,7 +555,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         if checkpoint_s is not None:
             logger.write(f"the last checkpoint took {checkpoint_s:.1f} s to write")
     logger.close()
-    D.barrier()
+    barrier()
     return summary
 
 
@@ -530,11 +576,11 @@ def _due(step: int, every: int, last: int) -> bool:
 def _restored(
     cfg: Any, checkpoint: str | Path | None, purpose: str, prompts: tuple[str, ...] = ()
 ) -> Run:
-    run = Run(cfg, D.init_distributed(), purpose, prompts)
+    run = Run(cfg, init_distributed(), purpose, prompts)
     if checkpoint is not None:
         from flowgrpo.engine.checkpoint import load_checkpoint
 
-        load_checkpoint(run.engine, S.resolve_checkpoint(checkpoint))
+        load_checkpoint(run.engine, resolve_checkpoint(checkpoint))
     return run
 
 
@@ -548,7 +594,10 @@ def run_sample(
         raise ValueError("run_sample needs at least one prompt")
     run = _restored(cfg, checkpoint, "sample", tuple(prompts))  # prompts reach the cache
     with run.ema():
-        images = rollout(run, list(prompts), list(range(len(prompts))), S.SAMPLE_SALT, eval=True)
+        plan = run.eval_plan()
+        images = rollout(
+            run, list(prompts), list(range(len(prompts))), SAMPLE_SALT, plan, eval=True
+        )
     if not run.dist.is_main:
         return []
     return save_images(images.images, out_dir, prompts=list(prompts))

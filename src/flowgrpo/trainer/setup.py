@@ -177,21 +177,8 @@ def planned_memory(cfg: Any, dist: DistInfo) -> str | None:
 
 
 def global_batch_size(cfg: Any) -> int:
+    """The samples of one step over all ranks: m prompts x K samples each."""
     return cfg.sample.prompts_per_step * cfg.sample.group_size
-
-
-def config_dict(cfg: Any) -> dict[str, Any]:
-    from flowgrpo.config.loader import config_to_dict
-
-    return config_to_dict(cfg)
-
-
-def shard(n: int, rank: int, size: int) -> tuple[int, int]:
-    """Data-parallel rank ``rank``'s (start, count) of a step's n samples
-    (``data.prompts.rank_slice``)."""
-    from flowgrpo.data.prompts import rank_slice
-
-    return rank_slice(n, size, rank)
 
 
 def padded_shard(n: int, rank: int, size: int) -> tuple[list[int], int]:
@@ -218,10 +205,6 @@ def grid_layout(n: int, samples_per_prompt: int, cap: int = 64) -> tuple[set[int
     return {p * per + j for p in range(prompts) for j in range(cols)}, cols
 
 
-def output_dir(cfg: Any) -> Path:
-    return Path(cfg.run.output_dir)
-
-
 #: inside the folders a run writes to, the names it writes (run.overwrite deletes these only)
 RUN_WRITES = {
     "checkpoints": re.compile(r"step_\d+(\.tmp)?"),
@@ -239,7 +222,7 @@ def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
     from flowgrpo.engine.dist import barrier
     from flowgrpo.errors import RunError
 
-    out = output_dir(cfg)
+    out = Path(cfg.run.output_dir)
     if dist.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
