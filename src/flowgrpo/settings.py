@@ -75,11 +75,6 @@ def need(ok: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"config key {key!r} must be {allowed}, got {value!r}")
 
 
-def help_of(section: type, name: str) -> str:
-    """The help text of field ``name`` of dataclass ``section``."""
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(section)}[name]
-
-
 def check_section(obj: Any, prefix: str = "") -> None:
     """Apply every field's check (and the finite-float rule) to dataclass ``obj``, recursing
     into nested sections and lists of them, then ``obj.check()`` if it defines one. Keys in
@@ -118,7 +113,6 @@ __all__ = [
     "check_section",
     "ge",
     "gt",
-    "help_of",
     "need",
     "one_of",
     "optional",

@@ -1,9 +1,9 @@
-"""Packing, unpacking and re-padding prompt embeddings."""
+"""Re-padding prompt embeddings to a subset's longest prompt, and the mask checks."""
 
 import pytest
 import torch
 
-from flowgrpo.data.padding import PackedEmbeds, pack, pad_to_length, repad, unpack
+from flowgrpo.data.padding import mask_lengths, repad
 
 LENGTHS = [3, 1, 5, 0]
 
@@ -18,24 +18,13 @@ def padded(lengths=LENGTHS, width=6, dim=4, dtype=torch.long):
 
 
 @pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32, torch.int32])
-def test_pack_unpack_round_trip(dtype):
+def test_lengths_and_mask_dtype_of_any_mask(dtype):
     embeds, mask = padded(dtype=dtype)
-    packed = pack(embeds, mask)
-    assert isinstance(packed, PackedEmbeds)
-    assert packed.values.shape == (sum(LENGTHS), 4)
-    assert packed.offsets.tolist() == [0, 3, 4, 9, 9] and packed.offsets.dtype == torch.int64
-    assert packed.lengths.tolist() == LENGTHS and len(packed) == 4
-    assert torch.equal(packed.values[4:9], embeds[2, :5])
-
-    e, m = unpack(packed)  # to the longest prompt (5)
-    assert m.dtype == dtype
-    assert torch.equal(e, embeds[:, :5]) and torch.equal(m, mask[:, :5])
-    e, m = unpack(packed, pad_to=6)
-    assert torch.equal(e, embeds) and torch.equal(m, mask)
-    e, m = unpack(packed, pad_to=8)
-    assert e.shape == (4, 8, 4) and m[:, 6:].sum() == 0 and e[:, 5:].abs().sum() == 0
-    with pytest.raises(ValueError, match="shorter than the longest prompt"):
-        unpack(packed, pad_to=4)
+    lengths = mask_lengths(embeds, mask)
+    assert lengths.tolist() == LENGTHS and lengths.dtype == torch.int64
+    e, m = repad(embeds, mask, [0, 2])  # the longest of the two: 5
+    assert m.dtype == dtype and torch.equal(m, mask[[0, 2], :5])
+    assert torch.equal(e, embeds[[0, 2], :5])
 
 
 def test_repad_selects_rows_and_trims():
@@ -51,37 +40,25 @@ def test_repad_selects_rows_and_trims():
     assert e.shape == (1, 0, 4)
 
 
-def test_pad_to_length():
-    embeds, mask = padded()
-    e, m = pad_to_length(embeds, mask, 9)
-    assert e.shape == (4, 9, 4) and torch.equal(e[:, :6], embeds) and m[:, 6:].sum() == 0
-    e, m = pad_to_length(embeds, mask, 5)
-    assert torch.equal(e, embeds[:, :5]) and torch.equal(m, mask[:, :5])
-    with pytest.raises(ValueError, match="shorter than the longest"):
-        pad_to_length(embeds, mask, 4)
-
-
 def test_bad_masks_raise():
     embeds, mask = padded()
     holes = mask.clone()
     holes[2, 1] = 0  # 1 0 1 1 1 0
     with pytest.raises(ValueError, match=r"not left-aligned .* row\(s\) \[2\]"):
-        pack(embeds, holes)
+        mask_lengths(embeds, holes)
     with pytest.raises(ValueError, match="not left-aligned"):
         repad(embeds, holes, [0])
     right_aligned = mask.flip(1)
     with pytest.raises(ValueError, match="not left-aligned"):
-        pack(embeds, right_aligned)
+        mask_lengths(embeds, right_aligned)
     twos = mask * 2
     with pytest.raises(ValueError, match="only 0 and 1"):
-        pack(embeds, twos)
+        mask_lengths(embeds, twos)
     with pytest.raises(ValueError, match="only 0 and 1"):
-        pack(embeds, mask.float() * 0.5)
+        mask_lengths(embeds, mask.float() * 0.5)
     with pytest.raises(ValueError, match="does not match embeds"):
-        pack(embeds, mask[:, :5])
+        mask_lengths(embeds, mask[:, :5])
     with pytest.raises(ValueError, match="does not match embeds"):
-        pack(embeds, mask[:3])
+        mask_lengths(embeds, mask[:3])
     with pytest.raises(ValueError, match=r"must be \[B, L, D\]"):
-        pack(embeds[0], mask)
-    with pytest.raises(ValueError, match="offsets end at"):
-        unpack(PackedEmbeds(torch.zeros(3, 4), torch.tensor([0, 2])))
+        mask_lengths(embeds[0], mask)
