@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from flowgrpo import __version__
+from flowgrpo.settings import DEFAULT_PRESET
 
 # flowgrpo.config is imported inside the handlers: it pulls in flowgrpo.engine (and torch).
-DEFAULT_PRESET = "toy-digits"
 CONFIG_ARGS_HELP = "[PRESET] [KEY=VALUE ...]"
 # subcommands owned by other modules: (module, function adding the parser, one-line help)
 LAZY_COMMANDS = {

@@ -8,7 +8,9 @@
 walks a section (and the sections inside it), applies every field's check, rejects non-finite
 floats, then calls the section's own ``check()`` for rules that tie several fields together.
 The docs table and ``flowgrpo config show`` read the same help text. This module imports
-nothing of flowgrpo, so every layer (engine, config) can declare its sections with it.
+nothing of flowgrpo, so every layer (engine, config) can declare its sections with it; it also
+holds the few names of the config that several layers read (``BUILTIN``, ``DEFAULT_PRESET``,
+``short_repr`` for the values quoted in errors).
 """
 
 from __future__ import annotations
@@ -18,9 +20,21 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+#: the prefix of a config value naming something shipped in the package
+#: (``model.path=builtin:toy-digits``, ``data.train_prompts=builtin:digits``)
+BUILTIN = "builtin:"
+#: the preset a command uses when none is named
+DEFAULT_PRESET = "toy-digits"
+
 
 class ConfigError(ValueError):
     """A bad configuration: one line naming the key, what is allowed and what was given."""
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: the given value quoted in an error line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 Check = tuple[str, Callable[[Any], bool]]  # (what is allowed, as words; the test)
@@ -107,6 +121,8 @@ def _check_value(key: str, value: Any) -> None:
 
 
 __all__ = [
+    "BUILTIN",
+    "DEFAULT_PRESET",
     "Check",
     "ConfigError",
     "between",
@@ -117,4 +133,5 @@ __all__ = [
     "one_of",
     "optional",
     "setting",
+    "short_repr",
 ]

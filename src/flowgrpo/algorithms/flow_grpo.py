@@ -18,10 +18,10 @@ import torch
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import SDEStepOutput
 from flowgrpo.algorithms.base import Algorithm
+from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
 from flowgrpo.settings import ge, gt, need, one_of, setting
 
-CFG_GRAD_MODES = ("both", "cond_only")
 #: what ``micro_loss`` returns, in order
 KEYS = ("loss", "policy_loss", "kl", "approx_kl", "approx_kl_k2", "clipfrac", "ratio_mean")
 

@@ -22,10 +22,10 @@ from typing import Any, Union
 import yaml
 
 from flowgrpo.algorithms import ALGORITHMS, algorithm_class
-from flowgrpo.config.schema import DEFAULT_PRESET, Config
+from flowgrpo.config.schema import Config
 from flowgrpo.config.validate import validate
 from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
-from flowgrpo.settings import ConfigError
+from flowgrpo.settings import DEFAULT_PRESET, ConfigError, short_repr
 
 ALIASES = {"resume": "trainer.resume"}  # `flowgrpo train resume=auto`
 REWARD_LISTS = ("reward", "eval_reward")  # list-of-RewardSpec keys, entries named by label
@@ -91,11 +91,6 @@ def valid_keys() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _suggest(key: str, candidates: Iterable[str]) -> str | None:
     """The closest valid key: a unique one with the same last component, else difflib's."""
     cands = [c for c in candidates if "NAME" not in c]
@@ -122,7 +117,7 @@ def unknown_key(key: str, origin: str = "", candidates: Iterable[str] | None = N
 
 
 def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {_show(value)}")
+    return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {short_repr(value)}")
 
 
 # -- coercion ----------------------------------------------------------------------------------
@@ -153,7 +148,7 @@ def _coerce(value: Any, tp: Any, key: str, current: Any = _MISSING, origin: str 
         if not isinstance(value, Mapping):
             raise ConfigError(
                 f"config key {key!r} is a section: set its keys (e.g. "
-                f"{key}.{fields(tp)[0].name}=...) or give a mapping, got {_show(value)}"
+                f"{key}.{fields(tp)[0].name}=...) or give a mapping, got {short_repr(value)}"
             )
         obj = copy.deepcopy(current) if is_dataclass(current) else tp()
         apply_mapping(obj, value, key + ".", origin)
@@ -407,7 +402,7 @@ def _algorithm_overlays(raw: Any, origin: str) -> dict[str, dict]:
     if not isinstance(raw, Mapping):
         raise ConfigError(
             f"config key {OVERLAYS!r} in {origin} must map algorithm names to sections, got "
-            f"{_show(raw)}"
+            f"{short_repr(raw)}"
         )
     out = {}
     for name, body in raw.items():

@@ -24,6 +24,7 @@ from flowgrpo.engine.config import DTYPES, EMAConfig, FSDPConfig, LoraConfig, Op
 from flowgrpo.models.prompt_cache import TEXT_ENCODER_OFFLOAD
 from flowgrpo.rewards.spec import RewardSpec, check_labels
 from flowgrpo.settings import (
+    DEFAULT_PRESET,
     ConfigError,
     between,
     ge,
@@ -34,7 +35,6 @@ from flowgrpo.settings import (
     setting,
 )
 
-DEFAULT_PRESET = "toy-digits"
 REWARD_MODES = ("weighted_sum", "advantage")
 WANDB_MODES = ("offline", "online", "disabled")
 

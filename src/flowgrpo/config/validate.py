@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowgrpo.config.schema import Config
-from flowgrpo.settings import ConfigError, check_section
+from flowgrpo.settings import BUILTIN, DEFAULT_PRESET, ConfigError, check_section
 
-BUILTIN = "builtin:"  # model.path / data.*_prompts naming a set shipped in the package
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 #: everything a training run writes into run.output_dir (``run.overwrite`` deletes only these)
 RUN_OUTPUTS = (
@@ -94,7 +93,7 @@ def _check_model(cfg: Config, preset: str) -> None:
     if found in made_for:
         return
     fits = [name for name, classes in PRESET_PIPELINES.items() if found in classes]
-    default = " (the default, used when no preset is named)" if preset == "toy-digits" else ""
+    default = " (the default, used when no preset is named)" if preset == DEFAULT_PRESET else ""
     advice = (
         f"name the preset that fits it: flowgrpo train {fits[0]} model.path=..."
         if fits

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from flowgrpo.settings import BUILTIN
+
 _SALT_EPOCH = 0x0E90C4  # stream of the per-epoch prompt permutations
 _SALT_STEP = 0x57E9  # stream of the per-step sample shuffles
 _SALT_SPLIT = 0x5A117  # stream of the train/eval split
@@ -64,7 +66,6 @@ class PromptDataset:
 #: prompt sets shipped in the package: ``builtin:NAME`` -> a function returning the dataset
 #: (import paths as strings: nothing below the toy package imports it)
 BUILTIN_PROMPTS: dict[str, str] = {"digits": "flowgrpo.toy.data:digit_prompt_set"}
-BUILTIN = "builtin:"
 
 
 def builtin_prompts(name: str) -> PromptDataset:

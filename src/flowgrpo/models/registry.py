@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from flowgrpo.settings import BUILTIN
+
 SUPPORTED_PIPELINES: dict[str, str] = {
     "QwenImagePipeline": "flowgrpo.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "flowgrpo.models.sd3:SD3Adapter",
@@ -25,7 +27,6 @@ SUPPORTED_PIPELINES: dict[str, str] = {
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
 BUILTIN_PIPELINES: dict[str, str] = {"toy-digits": "flowgrpo.toy.pipeline:shipped_dir"}
-BUILTIN = "builtin:"
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flowgrpo.settings import ConfigError, setting
+from flowgrpo.settings import ConfigError, setting, short_repr
 
 
 @dataclass
@@ -101,11 +101,6 @@ def check_labels(specs: list[RewardSpec], key: str = "reward") -> None:
         )
 
 
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _from_text(text: str, key: str) -> RewardSpec:
     """'ocr', 'ocr:0.5', 'pkg.mod:fn', 'pkg.mod:fn:0.5'. A tail that parses as a non-finite
     float ('digits:nan', 'mymod:inf') is an error, not a weight nor a name."""
@@ -132,11 +127,11 @@ def _from_text(text: str, key: str) -> RewardSpec:
 
 def _number(value: Any, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"config key {key!r} expects float, got {_show(value)}")
+        raise ConfigError(f"config key {key!r} expects float, got {short_repr(value)}")
     try:
         return float(value)
     except ValueError:
-        raise ConfigError(f"config key {key!r} expects float, got {_show(value)}") from None
+        raise ConfigError(f"config key {key!r} expects float, got {short_repr(value)}") from None
 
 
 def _from_mapping(item: Mapping, key: str) -> RewardSpec:
@@ -147,7 +142,7 @@ def _from_mapping(item: Mapping, key: str) -> RewardSpec:
             f"unknown config key '{key}.{unknown[0]}' (a reward has {', '.join(known)})"
         )
     if "name" not in item:
-        raise ConfigError(f"config key {key!r} needs a 'name', got {_show(dict(item))}")
+        raise ConfigError(f"config key {key!r} needs a 'name', got {short_repr(dict(item))}")
     spec = RewardSpec(name=str(item["name"]))
     if "weight" in item:
         spec.weight = _number(item["weight"], f"{key}.weight")
@@ -156,7 +151,9 @@ def _from_mapping(item: Mapping, key: str) -> RewardSpec:
         if value is None:
             continue
         if not isinstance(value, Mapping):
-            raise ConfigError(f"config key '{key}.{name}' expects a mapping, got {_show(value)}")
+            raise ConfigError(
+                f"config key '{key}.{name}' expects a mapping, got {short_repr(value)}"
+            )
         if name == "options":
             spec.options = {str(k): v for k, v in value.items()}
         else:
@@ -186,7 +183,7 @@ def parse_reward_specs(value: Any, key: str = "reward") -> list[RewardSpec]:
     else:
         raise ConfigError(
             f"config key {key!r} expects reward names like 'ocr' or 'ocr:1.0,"
-            f"jpeg_compressibility:0.1' or a list of {{name, weight, options}}, got {_show(value)}"
+            f"jpeg_compressibility:0.1' or a list of {{name, weight, options}}, got {short_repr(value)}"
         )
     out = []
     for i, item in enumerate(items):
