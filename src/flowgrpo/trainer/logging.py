@@ -311,6 +311,11 @@ def plot_reward_curve(
     return path
 
 
+def reward_notes(rewards: Sequence[float]) -> list[str]:
+    """Each grid image's note: its reward, 3 decimals."""
+    return [f"{float(r):.3f}" for r in rewards]
+
+
 def write_final_report(
     out: Path, grid: Any, nrow: int, summary: Mapping[str, Any], logger: RunLogger
 ) -> dict[str, str]:
@@ -321,7 +326,7 @@ def write_final_report(
     images, captions, notes = grid, None, None
     if isinstance(grid, tuple):
         images, captions, rewards = grid
-        notes = [f"{float(r):.3f}" for r in rewards]
+        notes = reward_notes(rewards)
     paths = {
         "grid_before": str(grid_path(out / "grid_before.png", images)),
         "grid_after": str(save_grid(images, out / "grid_after.png", nrow, captions, notes)),
@@ -561,7 +566,7 @@ class RunLogger:
         table (``TAG_table``: prompt, reward, image)."""
         if not self.enabled or (self._tb is None and self._wandb is None):
             return
-        notes = None if rewards is None else [f"{float(r):.3f}" for r in rewards]
+        notes = None if rewards is None else reward_notes(rewards)
         if images.dim() == 5:
             self._log_video(tag, video_grid(images, nrow, prompts, notes), step)
         else:

@@ -38,6 +38,7 @@ from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer.logging import (
     RunLogger,
+    reward_notes,
     save_grid,
     save_images,
     startup_banner,
@@ -498,7 +499,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})  # deterministic
         logger.write(f"base eval: {time.perf_counter() - t:.1f} s")
         if dist.is_main:
-            save_grid(grid.images, out / "grid_before.png", run.grid_cols, *_captions(grid))
+            notes = reward_notes(grid.rewards)
+            save_grid(grid.images, out / "grid_before.png", run.grid_cols, grid.prompts, notes)
             logger.log_images("eval/images", grid.images, 0, run.grid_cols, *grid[1:])
     final_eval, grid, checkpoint_s = None, None, None
     while state["step"] < tr.max_steps:
@@ -557,11 +559,6 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     logger.close()
     barrier()
     return summary
-
-
-def _captions(grid: EvalGrid) -> tuple[list[str], list[str]]:
-    """(captions, notes) of a saved grid: each row's prompt, each image's reward."""
-    return grid.prompts, [f"{r:.3f}" for r in grid.rewards]
 
 
 def _due(step: int, every: int, last: int) -> bool:
