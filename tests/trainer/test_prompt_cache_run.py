@@ -31,7 +31,7 @@ SMALL = [
 
 
 def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path, monkeypatch):
-    from flowgrpo.trainer import loop
+    from flowgrpo.trainer import loop, setup
 
     torch.set_num_threads(1)
     plain, cached = tmp_path / "plain", tmp_path / "cached"
@@ -39,13 +39,13 @@ def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path, monkeypatch)
     cache = tmp_path / "cache"
     extra = [f"model.embed_cache_dir={cache}", "model.text_encoder_offload=free"]
     seen = {}
-    real_prepare = loop.prepare_prompt_cache
+    real_prepare = setup.prepare_prompt_cache
 
     def spy(cfg, adapter, dist, sets):
         real_prepare(cfg, adapter, dist, sets)
         seen["cache"], seen["pipe"] = adapter.prompt_cache, adapter.pipe
 
-    monkeypatch.setattr(loop, "prepare_prompt_cache", spy)
+    monkeypatch.setattr(setup, "prepare_prompt_cache", spy)
     loop.run_training(load_config("toy-digits", [*SMALL, f"run.output_dir={cached}", *extra]))
     first = seen["cache"]
     assert seen["pipe"].text_encoder is None  # freed once every prompt was cached

@@ -18,7 +18,8 @@ import torch
 
 from flowgrpo import cli
 from flowgrpo.config import load_config
-from flowgrpo.trainer.logging import RunLogger, make_grid, read_jsonl, save_images, step_line
+from flowgrpo.trainer.figures import make_grid, save_images
+from flowgrpo.trainer.logging import RunLogger, read_jsonl, step_line
 from random_toy import random_toy_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from flowgrpo.trainer.figures import make_grid, plot_reward_curve
 from flowgrpo.trainer.logging import (
     RunLogger,
     deterministic_view,
-    make_grid,
-    plot_reward_curve,
     read_jsonl,
     summary_table,
     truncate_jsonl,

@@ -1,4 +1,4 @@
-"""The training loop (``loop``) and its logging (``logging``).
+"""The training loop (``loop``), what it builds (``setup``), its logging and figures.
 
 Import the entry points from ``flowgrpo.trainer.loop``; this package imports nothing heavy.
 """

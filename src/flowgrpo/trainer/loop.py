@@ -36,38 +36,10 @@ from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
 from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
-from flowgrpo.trainer.logging import (
-    RunLogger,
-    reward_notes,
-    save_grid,
-    save_images,
-    startup_banner,
-    write_final_report,
-)
+from flowgrpo.trainer import setup
+from flowgrpo.trainer.figures import reward_notes, save_grid, save_images
+from flowgrpo.trainer.logging import RunLogger, startup_banner, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
-from flowgrpo.trainer.setup import (
-    EVAL_SALT,
-    SAMPLE_SALT,
-    build_adapter_for,
-    build_data,
-    build_engine,
-    build_eval_data,
-    build_rewards,
-    generators,
-    global_batch_size,
-    grid_layout,
-    group_generators,
-    new_run_id,
-    optim_changes_line,
-    padded_shard,
-    planned_memory,
-    prepare_output_dir,
-    prepare_prompt_cache,
-    release_output_dir,
-    resolve_checkpoint,
-    resolve_resume,
-    sample_seed,
-)
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
 # no advantage signal, so such a step logs them as absent
@@ -86,26 +58,26 @@ class Run:
         quiet_known_noise(dist.is_main)  # loading bars from rank 0, known-harmless warnings
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
-        self.adapter = build_adapter_for(cfg, dist)
-        self.engine, self.algorithm = build_engine(cfg, self.adapter, dist)
+        self.adapter = setup.build_adapter_for(cfg, dist)
+        self.engine, self.algorithm = setup.build_engine(cfg, self.adapter, dist)
         # frames per video (None: an image family), checked once; every rollout plan carries it
         self.num_frames = self.adapter.check_num_frames(cfg.model.num_frames)
         self.reward = self.eval_reward = self.train_data = self.sampler = self.eval_set = None
         if purpose in ("train", "eval"):
-            self.reward = build_rewards(cfg.reward, dist.device)
+            self.reward = setup.build_rewards(cfg.reward, dist.device)
             # eval only, the whole set at once
-            self.eval_reward = build_rewards(cfg.eval_reward, dist.device)
+            self.eval_reward = setup.build_rewards(cfg.eval_reward, dist.device)
             if purpose == "train":
-                self.train_data, self.sampler, self.eval_set = build_data(cfg)
+                self.train_data, self.sampler, self.eval_set = setup.build_data(cfg)
             else:
-                self.eval_set = build_eval_data(cfg)
+                self.eval_set = setup.build_eval_data(cfg)
         sets = [list(prompts)]  # every prompt this run encodes reaches the embedding cache
         sets += [d.prompts for d in (self.train_data, self.eval_set) if d is not None]
-        prepare_prompt_cache(cfg, self.adapter, dist, sets)
+        setup.prepare_prompt_cache(cfg, self.adapter, dist, sets)
         # eval images shown in grid_before/after.png: one row per prompt, one column per seed
         self.grid_index, self.grid_cols = set(), 1
         if self.eval_set is not None:
-            self.grid_index, self.grid_cols = grid_layout(
+            self.grid_index, self.grid_cols = setup.grid_layout(
                 len(self.eval_set), cfg.data.eval_samples_per_prompt
             )
         # the checkpoint holding the current weights (None: changed since), whether a rollout
@@ -166,10 +138,10 @@ def rollout(
     chunk = max(1, s.rollout_batch_size)
     for lo in range(0, len(prompts), chunk):
         rows = slice(lo, lo + chunk)
-        gens = generators(run.cfg.seed, step, indices[rows], run.dist.device)
+        gens = setup.generators(run.cfg.seed, step, indices[rows], run.dist.device)
         init = None
         if not eval and s.same_latent:
-            init = group_generators(run.cfg.seed, step, groups[rows], run.dist.device)
+            init = setup.group_generators(run.cfg.seed, step, groups[rows], run.dist.device)
         traj = sample_trajectories(
             run.adapter,
             prompts[rows],
@@ -330,7 +302,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     advantages = combined.advantages[start : start + count].to(dist.device)
     train_metrics = {}
     if plan.train:  # MixGRPO's empty window trains nothing
-        seeds = [sample_seed(cfg.seed, step, i) for i in mine]
+        seeds = [setup.sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
     t3 = time.perf_counter()
     memory = all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
@@ -391,10 +363,12 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
     grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
     eval", "eval at step 4")."""
     ev = run.eval_set
-    idx, real = padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
+    idx, real = setup.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
     with run.ema():
-        images = rollout(run, prompts, idx, EVAL_SALT, run.eval_plan(), eval=True).images[:real]
+        images = rollout(run, prompts, idx, setup.EVAL_SALT, run.eval_plan(), eval=True).images[
+            :real
+        ]
     where = [ev.locations[i] for i in idx[:real]]
     local = None
     if run.engine.sp_rank == 0:  # an SP group scores once
@@ -428,7 +402,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
     try:
         return _run_training(cfg)
     finally:
-        release_output_dir()
+        setup.release_output_dir()
 
 
 def _run_training(cfg: Any) -> dict[str, Any]:
@@ -437,10 +411,10 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     seed_everything(cfg.seed, dist.rank)
     tr = cfg.trainer
     if dist.world_size % cfg.fsdp.sp_degree == 0:  # a clear error before the folder or model
-        check_divides(global_batch_size(cfg), dist.world_size // cfg.fsdp.sp_degree)
-    out = prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
+        check_divides(setup.global_batch_size(cfg), dist.world_size // cfg.fsdp.sp_degree)
+    out = setup.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
     ckpt_root = out / "checkpoints"
-    resume_from = resolve_resume(tr.resume, ckpt_root)
+    resume_from = setup.resolve_resume(tr.resume, ckpt_root)
     if resume_from is not None:  # before anything heavy loads
         check_resume(cfg, resume_from)
     record = record_text(cfg)  # config.yaml of the run folder and of each checkpoint
@@ -464,8 +438,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         state.setdefault("run_id", run_id_of(resume_from))  # checkpoints from before run ids
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
-        state["run_id"] = new_run_id()
-    global_batch = global_batch_size(cfg)
+        state["run_id"] = setup.new_run_id()
+    global_batch = setup.global_batch_size(cfg)
     logger = RunLogger(
         out,
         enabled=dist.is_main,
@@ -488,11 +462,11 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             total=sum(p.numel() for p in run.engine.transformer.parameters()),
             output_dir=out,
             resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
-            planned=planned_memory(cfg, dist) if dist.is_main else None,
+            planned=setup.planned_memory(cfg, dist) if dist.is_main else None,
         )
     )
     if run.engine.optim_changes:
-        logger.write(optim_changes_line(run.engine.optim_changes, state["step"] + 1))
+        logger.write(setup.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
         t = time.perf_counter()
         state["base_eval"], grid = evaluate(run, "base eval")
@@ -577,7 +551,7 @@ def _restored(
     if checkpoint is not None:
         from flowgrpo.engine.checkpoint import load_checkpoint
 
-        load_checkpoint(run.engine, resolve_checkpoint(checkpoint))
+        load_checkpoint(run.engine, setup.resolve_checkpoint(checkpoint))
     return run
 
 
@@ -593,7 +567,7 @@ def run_sample(
     with run.ema():
         plan = run.eval_plan()
         images = rollout(
-            run, list(prompts), list(range(len(prompts))), SAMPLE_SALT, plan, eval=True
+            run, list(prompts), list(range(len(prompts))), setup.SAMPLE_SALT, plan, eval=True
         )
     if not run.dist.is_main:
         return []
