@@ -103,9 +103,9 @@ def save_full(
         parts = {"": state} if split is None else split(state)
         for component, part in parts.items():
             cls = classes[component] if component else model_class
-            expert = getattr(model, component) if component else model
+            module = getattr(model, component) if component else model
             with torch.device("meta"):
-                fresh = cls.from_config(expert.config)
+                fresh = cls.from_config(module.config)
             fresh.load_state_dict(part, strict=True, assign=True)
             fresh.save_pretrained(path / component if component else path)
     fdist.barrier()
