@@ -62,7 +62,7 @@ def _prepare(kind: str, pm, size: int, batch: int, lora_rank: int = 8):
     from peft import LoraConfig
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from flowgrpo.engine.fsdp import transformer_blocks
+    from flowgrpo.engine.parallelize import transformer_blocks
     from flowgrpo.engine.sp import enable_sequence_parallel, set_sp_gradient_scale
     from flowgrpo.models import build_adapter, tiny_pipeline
 

@@ -8,8 +8,9 @@
 walks a section (and the sections inside it), applies every field's check, rejects non-finite
 floats, then calls the section's own ``check()`` for rules that tie several fields together.
 The docs table and ``flowgrpo config show`` read the same help text. This module imports
-nothing of flowgrpo, so every layer (engine, config) can declare its sections with it; it also
-holds the few names of the config that several layers read (``BUILTIN``, ``DEFAULT_PRESET``,
+nothing of flowgrpo, so every layer (engine, config) can declare its sections with it, nor
+torch at import (``resolve_dtype`` imports it when called); it also holds the few names of the
+config that several layers read (``BUILTIN``, ``DEFAULT_PRESET``, ``DTYPES``, ``resolve_dtype``,
 ``short_repr`` for the values quoted in errors).
 """
 
@@ -18,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 #: the prefix of a config value naming something shipped in the package
 #: (``model.path=builtin:toy-digits``, ``data.train_prompts=builtin:digits``)
@@ -120,9 +124,24 @@ def _check_value(key: str, value: Any) -> None:
         raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
 
 
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # what a dtype setting may say
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """The torch dtype a dtype setting (one of ``DTYPES``) names on ``device`` (a torch.device
+    or its type, "cuda"/"cpu"): "auto" = bf16 on CUDA, fp32 elsewhere. The one place that
+    rule lives (model.dtype, fsdp.param_dtype/reduce_dtype, the memory planner)."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 __all__ = [
     "BUILTIN",
     "DEFAULT_PRESET",
+    "DTYPES",
     "Check",
     "ConfigError",
     "between",
@@ -132,6 +151,7 @@ __all__ = [
     "need",
     "one_of",
     "optional",
+    "resolve_dtype",
     "setting",
     "short_repr",
 ]

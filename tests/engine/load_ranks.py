@@ -162,7 +162,7 @@ def measure_construction(path: Path, *, empty: bool) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile
 
     from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig
-    from flowgrpo.engine.fsdp import transformer_blocks
+    from flowgrpo.engine.parallelize import transformer_blocks
     from flowgrpo.models.registry import build_adapter, load_pipeline
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

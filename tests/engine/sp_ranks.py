@@ -79,7 +79,7 @@ def shard(model, pm, scale: bool = True) -> None:
     then the SP gradient scale (``scale=False``: FSDP's default mean over all ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from flowgrpo.engine.fsdp import transformer_blocks
+    from flowgrpo.engine.parallelize import transformer_blocks
     from flowgrpo.engine.sp import set_sp_gradient_scale
 
     for block in transformer_blocks(model):

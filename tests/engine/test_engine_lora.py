@@ -6,7 +6,7 @@ import torch
 
 from flowgrpo.engine import EMA, DiffusersFSDPEngine
 from flowgrpo.engine.ema import local
-from flowgrpo.engine.fsdp import LRLambda
+from flowgrpo.engine.engine import LRLambda
 from flowgrpo.errors import TrainingDiverged
 
 

@@ -365,7 +365,7 @@ def test_lora_targets_wrap_attention_and_ffn(pipes):
     assert isinstance(experts, WanExperts)
     assert experts.transformer is pipes["wan22"].transformer
     assert experts.transformer_2 is pipes["wan22"].transformer_2
-    from flowgrpo.engine.fsdp import transformer_blocks
+    from flowgrpo.engine.parallelize import transformer_blocks
 
     assert len(transformer_blocks(experts)) == 4  # FSDP shards each expert's blocks
 

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from flowgrpo.engine.config import parallel_layout
+from flowgrpo.settings import resolve_dtype
+
 GB = 1e9
 #: activation bytes saved for backward per token, per unit of a block's Linear width (sum of
 #: in + out features over the block's Linear layers, each at the tokens it sees), per byte of
@@ -189,9 +192,7 @@ class Plan:
 
 
 def _dtype_bytes(name: str, device: str) -> int:
-    if name == "auto":
-        return 2 if device == "cuda" else 4
-    return {"fp32": 4, "bf16": 2, "fp16": 2}[name]
+    return resolve_dtype(name, device).itemsize
 
 
 def _uses_cfg(cfg: Any, pipeline: str) -> bool:
@@ -258,8 +259,8 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
             f"--gpus {gpus} must be a multiple of fsdp.replicate_degree x fsdp.sp_degree "
             f"({fs.replicate_degree} x {fs.sp_degree})"
         )
-    shard = gpus // fs.replicate_degree
-    dp = gpus // fs.sp_degree
+    layout = parallel_layout(gpus, fs.replicate_degree, fs.sp_degree)
+    shard, dp = layout.shard_group, layout.dp
     wbytes = _dtype_bytes(m.dtype, device)  # the loaded weights (frozen parts, LoRA base)
     cbytes = wbytes if fs.param_dtype == "auto" else _dtype_bytes(fs.param_dtype, device)
 

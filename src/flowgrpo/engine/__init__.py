@@ -1,5 +1,9 @@
 """FSDP2 training engine for diffusers transformers: LoRA or full, DCP checkpoints, exports.
 
+By job: ``parallelize`` (LoRA, sharding, SP, the block list), ``load`` (each rank's shards from
+the files), ``engine`` (``DiffusersFSDPEngine``: the train-step machinery and its
+``state_dict``), ``checkpoint`` (persisting that state), ``export`` (LoRA / full exports).
+
 Names are imported lazily so that reading a config (``flowgrpo.engine.config``) does not pay
 for importing torch.distributed, peft and diffusers.
 """
@@ -23,8 +27,8 @@ _EXPORTS = {
     "init_distributed": "dist",
     "seed_everything": "dist",
     "EMA": "ema",
-    "DiffusersFSDPEngine": "fsdp",
-    "merge_lora": "fsdp",
+    "DiffusersFSDPEngine": "engine",
+    "merge_lora": "export",
     "ParallelMesh": "sp",
     "build_parallel_mesh": "sp",
     "enable_sequence_parallel": "sp",

@@ -1,6 +1,8 @@
 """Crash-safe, resharding checkpoints of a ``DiffusersFSDPEngine`` with torch.distributed.checkpoint.
 
-Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when complete):
+What is saved is the engine's ``state_dict()``: its sharded sections go to DCP, its host
+section ``engine`` to ``engine_state.pt``; loading fills the same sections and hands them to
+``engine.load_state_dict()``. Layout of ``<root>/step_<N>/`` (written as ``step_<N>.tmp`` and renamed when complete):
 
 - DCP shards (``*.distcp`` + ``.metadata``): ``model`` (LoRA params only under LoRA, else all),
   ``optim`` (AdamW state, keyed by param name), ``ema`` (EMA shadows, when enabled),
@@ -43,15 +45,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from flowgrpo.engine import dist as fdist
-from flowgrpo.engine.ema import EMA
-from flowgrpo.engine.fsdp import LRLambda
 from flowgrpo.errors import RunError, TrainingDiverged
 
 MARKER = "COMPLETE"
@@ -60,18 +55,14 @@ DIVERGED = "DIVERGED"  # a rollout from these weights was not: never resumed fro
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _options(engine) -> StateDictOptions:
-    return StateDictOptions(ignore_frozen_params=engine.use_lora, strict=not engine.use_lora)
+HOST = "engine"  # the engine state's section of plain host data (engine_state.pt)
+SHADOW = "shadow."  # the sections of the algorithms' parameter copies
 
 
-def _dcp_state(engine) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    if engine.ema is not None:
-        state["ema"] = engine.ema.state_dict(engine.param_names)
-    for name, shadow in engine.shadows.items():  # the algorithms' (an old policy)
-        state[f"shadow.{name}"] = shadow.state_dict(engine.param_names)
-    return state
+def _split_state(engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine's ``state_dict()`` as (its sharded sections, for DCP; its host section)."""
+    state = engine.state_dict()
+    return state, state.pop(HOST)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -234,34 +225,28 @@ def _write_files(
     engine,
     tmp: Path,
     step: int,
+    sharded: dict[str, Any],
+    host: dict[str, Any],
     extra: dict | None,
     run_id: str | None,
     files: dict[str, str] | None = None,
 ) -> None:
-    """Everything but the DCP shards: per-rank RNG, and (rank 0) engine/trainer state and the
-    caller's text ``files`` (name -> text, e.g. the run's config.yaml)."""
+    """Everything but the DCP shards (``sharded``: what they hold, named in meta.json):
+    per-rank RNG, and (rank 0) the engine's ``host`` state, the trainer state and the caller's
+    text ``files`` (name -> text, e.g. the run's config.yaml)."""
     rank = engine.dist.rank
     (tmp / "rng").mkdir(exist_ok=True)
     _save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if not engine.dist.is_main:
         return
-    _save(
-        {
-            "step": engine.step,
-            "optimizer_steps": engine.optimizer_steps,
-            "consecutive_skips": engine.consecutive_skips,
-            "scheduler": engine.scheduler.state_dict(),
-            "generator": engine.generator.get_state(),
-        },
-        tmp / "engine_state.pt",
-    )
+    _save(host, tmp / "engine_state.pt")
     _write_text(tmp / "trainer_state.json", json.dumps(extra or {}, indent=2))
     meta = {
         "step": step,
         "world_size": engine.dist.world_size,
         "lora": engine.use_lora,
-        "ema": engine.ema is not None,
-        "shadows": sorted(engine.shadows),
+        "ema": "ema" in sharded,
+        "shadows": sorted(k[len(SHADOW) :] for k in sharded if k.startswith(SHADOW)),
         "run_id": run_id,
         "time": time.time(),
     }
@@ -347,8 +332,9 @@ def save_checkpoint(
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         fdist.barrier()
-        dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
-        _write_files(engine, tmp, step, extra, run_id, files)
+        sharded, host = _split_state(engine)
+        dcp.save(sharded, checkpoint_id=str(tmp))
+        _write_files(engine, tmp, step, sharded, host, extra, run_id, files)
         fdist.barrier()
         if engine.dist.is_main:
             _write_marker(tmp)
@@ -467,38 +453,12 @@ def resume_advice(root: str | Path) -> str:
     return f"the last good checkpoint is {good}: resume from it (trainer.resume={how}) with a lower optim.lr"
 
 
-def apply_configured_optim(engine) -> dict[str, tuple[Any, Any]]:
-    """Make the configured ``optim.lr`` / ``weight_decay`` / ``betas`` / ``eps`` the ones the
-    next step uses: a restored optimizer and LR scheduler carry the checkpoint's (the LR
-    schedule continues from its step with the configured base LR). Returns {setting:
-    (checkpoint's value, configured value)} for those that differ (empty when none)."""
-    o, sched = engine.config.optim, engine.scheduler
-    groups = engine.optimizer.param_groups
-    want = {
-        "lr": float(o.lr),
-        "weight_decay": float(o.weight_decay),
-        "betas": tuple(float(b) for b in o.betas),
-        "eps": float(o.eps),
-    }
-    had = {
-        "lr": float(sched.base_lrs[0]),
-        "weight_decay": float(groups[0]["weight_decay"]),
-        "betas": tuple(float(b) for b in groups[0]["betas"]),
-        "eps": float(groups[0]["eps"]),
-    }
-    sched.base_lrs = [want["lr"]] * len(groups)
-    for group, factor in zip(groups, sched.lr_lambdas, strict=True):
-        group.update(initial_lr=want["lr"], weight_decay=want["weight_decay"], eps=want["eps"])
-        group.update(betas=want["betas"], lr=want["lr"] * factor(sched.last_epoch))
-    return {k: (had[k], want[k]) for k in want if had[k] != want[k]}
-
-
 def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     """Restore ``engine`` from a checkpoint directory, or from the newest complete one under a
     root (collective). Works across world sizes. Returns (step, extra).
 
-    The configured optimizer settings replace the checkpoint's (``apply_configured_optim``;
-    what changed is left in ``engine.optim_changes``).
+    The configured optimizer settings replace the checkpoint's
+    (``engine.apply_configured_optim``; what changed is left in ``engine.optim_changes``).
 
     Runs no code from the checkpoint: a file holding anything but plain data (tensors,
     numbers, strings; DCP's own metadata classes) is refused with a ValueError naming it,
@@ -521,17 +481,18 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     rng_file = path / "rng" / f"rank_{engine.dist.rank}.pt"
     rng = _load_plain(rng_file, str(rng_file), numpy_arrays=True) if rng_file.is_file() else None
     metadata = _check_dcp_metadata(path)
-    state = _dcp_state(engine)
+    state, _ = _split_state(engine)
     if meta["ema"] and "ema" not in state:
         warnings.warn(f"{path} holds EMA weights but EMA is off: ignoring them", stacklevel=2)
     if not meta["ema"]:
         state.pop("ema", None)
-    for name in engine.shadows:
+    for key in [k for k in state if k.startswith(SHADOW)]:
+        name = key[len(SHADOW) :]
         if name not in meta.get("shadows", []):  # e.g. another algorithm wrote it
             warnings.warn(
                 f"{path} holds no '{name}' copy: starting it from the loaded weights", stacklevel=2
             )
-            state.pop(f"shadow.{name}")
+            state.pop(key)
     mismatch = _mismatch(path, metadata, state)
     if mismatch is not None:
         raise mismatch
@@ -545,31 +506,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
         raise CheckpointMismatchError(
             f"cannot load checkpoint {path}: {_first_failure(e)}"
         ) from None
-    set_state_dict(
-        engine.model,
-        engine.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=_options(engine),
-    )
-    for name, shadow in engine.shadows.items():
-        if f"shadow.{name}" in state:
-            shadow.load_state_dict(state[f"shadow.{name}"], engine.param_names)
-        else:
-            shadow.reset_()
-    if engine.ema is not None:
-        if "ema" in state:
-            engine.ema.load_state_dict(state["ema"], engine.param_names)
-        else:  # checkpoint without EMA: start the EMA from the loaded weights
-            engine.ema = EMA(engine.params, engine.ema.decay, engine.ema.update_every)
-    engine.step = es["step"]
-    engine.optimizer_steps = es["optimizer_steps"]
-    engine.consecutive_skips = es["consecutive_skips"]
-    engine.scheduler.load_state_dict(es["scheduler"])
-    o = engine.config.optim  # LambdaLR restores its lambda's fields: the current config wins
-    engine.scheduler.lr_lambdas[0] = LRLambda(o.lr_schedule, o.warmup_steps, o.total_steps)
-    engine.optim_changes = apply_configured_optim(engine)
-    engine.generator.set_state(es["generator"])
+    engine.load_state_dict({**state, HOST: es})
     if rng is not None:
         _set_rng_state(rng)
     else:
@@ -578,7 +515,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
             f"{meta['world_size']}): reseeding from the engine seed",
             stacklevel=2,
         )
-        fdist.seed_everything(engine.config.seed + 1000 * engine.step, engine.dist.rank)
+        fdist.seed_everything(engine.config.seed + 1000 * es["step"], engine.dist.rank)
     extra = json.loads((path / "trainer_state.json").read_text())
     fdist.barrier()
     return int(meta["step"]), extra
@@ -590,7 +527,6 @@ __all__ = [
     "CheckpointMismatchError",
     "ROLLOUT_OK",
     "UnsafeCheckpointError",
-    "apply_configured_optim",
     "is_good",
     "last_good_checkpoint",
     "latest_checkpoint",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowgrpo.settings import (
+    DTYPES,
     ConfigError,
     between,
     check_section,
@@ -20,7 +21,6 @@ from flowgrpo.settings import (
     setting,
 )
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -113,6 +113,45 @@ class FSDPConfig:
     )
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a run's ranks split, outermost first: ``replicate`` (HSDP replica groups) x
+    ``dp_shard`` x ``sp`` (the ranks of one sequence-parallel group, which share one sample's
+    tokens). ``dp``: the data-parallel ranks (distinct samples); ``shard_group``: the ranks one
+    FSDP shard group spans (SP ranks shard the parameters too)."""
+
+    replicate: int
+    dp_shard: int
+    sp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.dp_shard * self.sp
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.dp_shard
+
+    @property
+    def shard_group(self) -> int:
+        return self.dp_shard * self.sp
+
+
+def parallel_layout(
+    world_size: int, replicate_degree: int = 1, sp_degree: int = 1
+) -> ParallelLayout:
+    """The ``ParallelLayout`` of ``world_size`` ranks under ``fsdp.replicate_degree`` and
+    ``fsdp.sp_degree``: the one place the data-parallel size and the shard group are derived.
+    ValueError when they do not divide the world."""
+    rep, sp = int(replicate_degree), int(sp_degree)
+    if rep < 1 or sp < 1 or world_size % (rep * sp):
+        raise ValueError(
+            f"world size {world_size} must be divisible by replicate_degree {replicate_degree} "
+            f"x sp_degree {sp_degree} (both >= 1)"
+        )
+    return ParallelLayout(rep, world_size // (rep * sp), sp)
+
+
 @dataclass
 class EMAConfig:
     """EMA of the trainable params (Flow-GRPO's warm-up schedule)."""
@@ -150,4 +189,6 @@ __all__ = [
     "LR_SCHEDULES",
     "LoraConfig",
     "OptimConfig",
+    "ParallelLayout",
+    "parallel_layout",
 ]

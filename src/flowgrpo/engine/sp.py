@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from flowgrpo.engine.config import parallel_layout
+
 #: model families with a tested plan and padding rules (others: their own ``_cp_plan``, no padding)
 SP_FAMILIES = ("qwen_image", "flux", "sd3")
 _CLASS_PREFIX = {
@@ -77,17 +79,12 @@ def build_parallel_mesh(
     deprecates slicing a flattened dim out of a root mesh, which the other way round needs.
     """
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    rep, sp = int(replicate_degree), int(sp_degree)
-    if rep < 1 or sp < 1 or world_size % (rep * sp):
-        raise ValueError(
-            f"world size {world_size} must be divisible by replicate_degree {replicate_degree} "
-            f"x sp_degree {sp_degree} (both >= 1)"
-        )
+    layout = parallel_layout(world_size, replicate_degree, sp_degree)  # checks it divides
+    rep, sp, shard = layout.replicate, layout.sp, layout.dp_shard
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(
             f"world_size={world_size}, but the process group has {dist.get_world_size()} ranks"
         )
-    shard = world_size // (rep * sp)
     names = ("dp_shard", "ring", "ulysses")
     if rep == 1:
         root = init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))

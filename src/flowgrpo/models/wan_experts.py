@@ -58,6 +58,12 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
             out[name][rest] = value
         return out
 
+    @staticmethod
+    def lora_file_name(name: str, component: str) -> str:
+        """The LoRA file of ``component`` beside ``name`` (``expert_file``): the engine's export
+        asks the module (``flowgrpo.engine.export``)."""
+        return expert_file(name, component)
+
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kw):
         t = timestep if timestep.ndim == 1 else timestep[:, 0]
         high = t >= self.boundary_timestep  # WanPipeline: `t >= boundary_timestep`
@@ -142,4 +148,14 @@ def compute_dtype(module: torch.nn.Module) -> torch.dtype:
     return param_dtype(module)
 
 
-__all__ = ["WanExperts", "compute_dtype"]
+def expert_file(name: str, component: str) -> str:
+    """The LoRA file of a pipeline component: ``name`` for the transformer, ``<stem>_2.<ext>``
+    for Wan2.2's ``transformer_2`` (``pipe.load_lora_weights(dir, weight_name=...,
+    load_into_transformer_2=True)`` loads it)."""
+    if component == "transformer":
+        return name
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}_2{dot}{ext}" if dot else f"{name}_2"
+
+
+__all__ = ["WanExperts", "compute_dtype", "expert_file"]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flowgrpo.config.secrets import redact, redact_args
+from flowgrpo.engine.config import parallel_layout
 from flowgrpo.trainer.figures import (
     gif_bytes,
     grid_path,
@@ -175,9 +176,8 @@ def startup_banner(
     trainable parameters, the images of a step, the output folder and ``planned`` (the memory
     planner's line, when it can plan the model)."""
     fs, s = cfg.fsdp, cfg.sample
-    rep, sp = int(fs.replicate_degree), int(fs.sp_degree)
-    dp = max(1, world_size // sp)
-    shard = max(1, world_size // (rep * sp))
+    lay = parallel_layout(world_size, fs.replicate_degree, fs.sp_degree)
+    rep, sp, dp, shard = lay.replicate, lay.sp, lay.dp, lay.dp_shard
     images = s.prompts_per_step * s.group_size
     if cfg.lora.enabled:
         how = f"LoRA r {cfg.lora.rank}, alpha {cfg.lora.alpha:g}"

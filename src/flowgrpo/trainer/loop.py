@@ -275,7 +275,7 @@ def gather_rewards(run: Run, rewards: dict[str, torch.Tensor] | None):
 
 def gather_group_firsts(run: Run, obj: Any) -> list[Any]:
     """Every rank's ``obj``, one per SP group (in data-parallel order)."""
-    sp = run.dist.world_size // run.engine.dp_size
+    sp = run.engine.sp_size
     return all_gather_object(obj)[::sp]
 
 

@@ -18,8 +18,6 @@ EVAL_SALT = 0x5EED_E7A1  # stream of the fixed eval noise (independent of the st
 SAMPLE_SALT = 0x5A4D_91E0  # stream of `flowgrpo sample`
 GROUP_SALT = 0x6E0_0000_0000  # per-group streams (sample.same_latent), apart from sample indices
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def sample_seed(seed: int, step: int, index: int) -> int:
     """A 63-bit seed for sample ``index`` of ``step`` (splitmix64-style mixing, no collisions
@@ -59,11 +57,10 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     go to adapters that take them (a clear error for one that does not)."""
     from flowgrpo.engine.load import move_components
     from flowgrpo.models.registry import adapter_options, build_adapter, load_pipeline
+    from flowgrpo.settings import resolve_dtype
 
     m = cfg.model
-    dtype = _DTYPES.get(m.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(m.dtype, dist.device)
     if not m.path:
         raise ValueError("model.path is required: a local diffusers directory or builtin:NAME")
     # the trained transformer(s) stay on the meta device: the engine loads each rank's shards
@@ -115,7 +112,7 @@ def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> tuple[Any, Any]:
     the run config itself and keeps a reference copy when the algorithm needs one; the
     algorithm (``cfg.algorithm``) reads its own section."""
     from flowgrpo.algorithms import algorithm_class
-    from flowgrpo.engine.fsdp import DiffusersFSDPEngine
+    from flowgrpo.engine.engine import DiffusersFSDPEngine
 
     algo_cls = algorithm_class(cfg.algorithm)
     reference = algo_cls.needs_reference(getattr(cfg, cfg.algorithm))

@@ -1,17 +1,17 @@
 """``DiffusersFSDPEngine``: a diffusers transformer under training, with FSDP2 + peft LoRA.
 
-The engine wraps ``adapter.transformer`` in place (LoRA, then ``fully_shard`` per block and on
-the root), so the sampler and the trainer keep using ``adapter.transformer``. It owns the model
-and its training machinery: the reference policy, the EMA and other parameter shadows, the
-micro-batch plan balanced over ranks, backward with FSDP's gradient sync, the optimizer step
-(global clipping, non-finite handling), checkpoints and exports. It knows no loss and no
-reward: an algorithm (``flowgrpo.algorithms``) writes the update loop with these. See
-docs/engine.md.
+The engine wraps ``adapter.transformer`` in place (``flowgrpo.engine.parallelize``: LoRA, then
+``fully_shard`` per block and on the root), so the sampler and the trainer keep using
+``adapter.transformer``. This module holds its training machinery: the reference policy, the
+EMA and other parameter shadows, the micro-batch plan balanced over ranks, backward with
+FSDP's gradient sync, the optimizer step (global clipping, non-finite handling), and
+``state_dict`` / ``load_state_dict`` (what a checkpoint persists, ``flowgrpo.engine.checkpoint``);
+the exports are ``flowgrpo.engine.export``. It knows no loss and no reward: an algorithm
+(``flowgrpo.algorithms``) writes the update loop with these. See docs/engine.md.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,25 +21,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from flowgrpo.engine import dist as fdist
+from flowgrpo.engine import export
 from flowgrpo.engine.config import EngineConfig
 from flowgrpo.engine.ema import EMA, ParamShadow, local
-from flowgrpo.engine.load import adapters_beside_meta, is_empty, materialize
+from flowgrpo.engine.parallelize import parallelize
 from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
 from flowgrpo.settings import check_section
-
-_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
 
 
 @dataclass
@@ -58,27 +55,6 @@ class MiniBatch:
 
     micro: list[MicroBatch]
     total: int
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """ "auto" = bf16 on CUDA, fp32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPE[name]
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: modules whose class is in the model's
-    ``_no_split_modules``, else the members of its block lists (transformer_blocks, ...)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    if blocks:
-        return blocks
-    for attr in _BLOCK_LISTS:
-        ml = getattr(model, attr, None)
-        if isinstance(ml, nn.ModuleList):
-            blocks.extend(ml)
-    return blocks
 
 
 class LRLambda:
@@ -109,6 +85,7 @@ class DiffusersFSDPEngine:
     reference's too: no rank holds it whole. Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
     ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (updates finished),
     ``optimizer_steps`` (applied updates), ``generator`` (shuffling; identical on all ranks).
+    A checkpoint persists them through ``state_dict()`` / ``load_state_dict()``.
     """
 
     def __init__(
@@ -125,57 +102,14 @@ class DiffusersFSDPEngine:
         self.dist = dist or fdist.init_distributed()
         model = adapter.transformer
         self.model_class = type(model)
-        self.component_classes = {  # Wan2.2's experts, before sharding renames their classes
-            c: type(getattr(model, c))
-            for c in ("transformer", "transformer_2")
-            if hasattr(model, "split_state_dict")
-        }
+        self.component_classes = export.component_classes(model)  # before sharding renames
         self.use_lora = cfg.lora.enabled
         device = self.dist.device
-        self.param_dtype = resolve_dtype(cfg.fsdp.param_dtype, device)
-        self.reduce_dtype = resolve_dtype(cfg.fsdp.reduce_dtype, device)
-
-        # built on the meta device (flowgrpo.engine.load): shards are allocated and read from
-        # the model's files after sharding, so no rank ever holds the whole model
-        empty = is_empty(model)
-        self._ref_model: nn.Module | None = None
-        if not self.use_lora and reference:  # LoRA's reference is the adapter switched off
-            self._ref_model = copy.deepcopy(model).requires_grad_(False)  # meta: no memory
-        if self.use_lora:
-            model.requires_grad_(False)
-            self._add_lora(model)
-        else:
-            model.requires_grad_(True)
-        with torch.no_grad():  # fp32 master weights for everything that trains
-            for p in model.parameters():
-                if p.requires_grad and p.dtype != torch.float32:
-                    p.data = p.data.float()
-        if cfg.fsdp.activation_checkpointing:
-            if not getattr(model, "_supports_gradient_checkpointing", False):
-                raise ValueError(f"{self.model_class.__name__} does not support checkpointing")
-            model.enable_gradient_checkpointing()
-
-        fs = cfg.fsdp
-        self.parallel = None  # the SP meshes when fsdp.sp_degree > 1
-        if fs.sp_degree > 1:
-            from flowgrpo.engine.sp import build_parallel_mesh
-
-            self.parallel = build_parallel_mesh(
-                self.dist.world_size, fs.replicate_degree, fs.sp_degree, device.type
-            )
-            self.mesh = self.parallel.fsdp
-        else:
-            self.mesh = fdist.build_mesh(
-                self.dist.world_size, fs.replicate_degree, device_type=device.type
-            )
-        self._shard(model)
-        if self._ref_model is not None:
-            self._shard(self._ref_model)
-        if empty:
-            init_device = "cpu" if fs.cpu_offload else device
-            for m in (model, self._ref_model):
-                if m is not None:
-                    materialize(m, init_device)
+        par = parallelize(model, cfg, self.dist, adapter.lora_target_modules, reference=reference)
+        self.param_dtype, self.reduce_dtype = par.param_dtype, par.reduce_dtype
+        self.parallel = par.parallel  # the SP meshes when fsdp.sp_degree > 1
+        self.mesh = par.mesh
+        self._ref_model = par.reference
         self.model = model
 
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -202,63 +136,7 @@ class DiffusersFSDPEngine:
         self.step = 0
         self.optimizer_steps = 0
         self.consecutive_skips = 0
-        self.optim_changes: dict[str, tuple[Any, Any]] = {}  # by load_checkpoint: old, new
-
-    # -- construction ------------------------------------------------------------------------
-    def _add_lora(self, model: nn.Module) -> None:
-        from peft import LoraConfig as PeftLoraConfig
-
-        lc = self.config.lora
-        targets = lc.target_modules
-        if targets is None:
-            targets = list(self.adapter.lora_target_modules)
-        if not targets:
-            raise ValueError("lora.target_modules is empty and the adapter has no defaults")
-        init = {"default": True, "true": True, "false": False}.get(str(lc.init).lower(), lc.init)
-        peft_cfg = PeftLoraConfig(
-            r=lc.rank,
-            lora_alpha=lc.alpha,
-            init_lora_weights=init,
-            target_modules=targets,
-            lora_dropout=lc.dropout,
-        )
-        devices = [self.dist.device] if self.dist.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # identical init on every rank
-            torch.manual_seed(self.config.seed)
-            if self.dist.device.type == "cuda":
-                torch.cuda.manual_seed(self.config.seed)
-            with adapters_beside_meta():  # a meta base keeps its new LoRA on the host
-                model.add_adapter(peft_cfg)
-        for name, p in model.named_parameters():
-            p.requires_grad_("lora_" in name)
-
-    def _shard(self, model: nn.Module) -> None:
-        fs = self.config.fsdp
-        block_mp = MixedPrecisionPolicy(
-            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype
-        )
-        root_mp = MixedPrecisionPolicy(
-            param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            output_dtype=torch.float32,
-        )
-        offload = (
-            CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-            if fs.cpu_offload
-            else OffloadPolicy()
-        )
-        if self.parallel is not None:  # after LoRA and checkpointing, before sharding
-            from flowgrpo.engine.sp import enable_sequence_parallel
-
-            enable_sequence_parallel(model, self.parallel, fs.sp_degree)
-        kw = dict(mesh=self.mesh, reshard_after_forward=fs.reshard_after_forward)
-        for block in transformer_blocks(model):
-            fully_shard(block, mp_policy=block_mp, offload_policy=offload, **kw)
-        fully_shard(model, mp_policy=root_mp, offload_policy=offload, **kw)
-        if self.parallel is not None:  # SUM over an SP group, MEAN over data-parallel ranks
-            from flowgrpo.engine.sp import set_sp_gradient_scale
-
-            set_sp_gradient_scale(model, self.parallel)
+        self.optim_changes: dict[str, tuple[Any, Any]] = {}  # by load_state_dict: old, new
 
     # -- data parallelism ----------------------------------------------------------------------
     @property
@@ -276,10 +154,15 @@ class DiffusersFSDPEngine:
     def sp_rank(self) -> int:
         return 0 if self.parallel is None else self.parallel.sp_rank
 
+    @property
+    def sp_size(self) -> int:
+        """Ranks of one sequence-parallel group (fsdp.sp_degree; 1 without SP)."""
+        return 1 if self.parallel is None else self.parallel.sp_size
+
     def dp_rows(self, gathered: torch.Tensor) -> torch.Tensor:
         """Of a tensor all-gathered over every rank ([world * n, ...], equal n), the rows of one
         rank per SP group (its copies on the other ranks of the group dropped): [dp * n, ...]."""
-        sp = self.dist.world_size // self.dp_size
+        sp = self.sp_size
         if sp == 1:
             return gathered
         parts = gathered.reshape(self.dist.world_size, -1, *gathered.shape[1:])
@@ -452,113 +335,116 @@ class DiffusersFSDPEngine:
             ok &= torch.isfinite(local(t)).all()
         return bool(fdist.all_reduce_min(ok.to(torch.float32)).item() > 0)
 
-    # -- exports ---------------------------------------------------------------------------------
+    # -- state (what a checkpoint persists: flowgrpo.engine.checkpoint) -----------------------
+    def _dcp_options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.use_lora, strict=not self.use_lora)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to resume this engine exactly, by section:
+
+        - ``model``, ``optim``: DCP's state dicts of the model (its trainable params only under
+          LoRA) and of AdamW (keyed by param name), sharded;
+        - ``ema`` (when on) and ``shadow.<name>`` (the algorithms' copies): sharded, by param name;
+        - ``engine``: plain host data, the same on every rank: the update counters, the LR
+          scheduler's state and the shuffle generator's.
+
+        The sharded sections hold the live tensors: ``dcp.load`` fills them in place, then
+        ``load_state_dict`` applies the result. Call on every rank."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._dcp_options())
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict(self.param_names)
+        for name, shadow in self.shadows.items():  # the algorithms' (an old policy)
+            state[f"shadow.{name}"] = shadow.state_dict(self.param_names)
+        state["engine"] = {
+            "step": self.step,
+            "optimizer_steps": self.optimizer_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` (its sharded sections filled by ``dcp.load``). Without
+        ``ema`` the EMA starts from the loaded weights, without ``shadow.<name>`` that copy does
+        too. The LR schedule's shape and AdamW's lr / weight_decay / betas / eps are the
+        configured ones, not the state's (``apply_configured_optim``; what changed is left in
+        ``optim_changes``). Collective."""
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self._dcp_options(),
+        )
+        for name, shadow in self.shadows.items():
+            if f"shadow.{name}" in state:
+                shadow.load_state_dict(state[f"shadow.{name}"], self.param_names)
+            else:
+                shadow.reset_()
+        if self.ema is not None:
+            if "ema" in state:
+                self.ema.load_state_dict(state["ema"], self.param_names)
+            else:  # a state without EMA: start the EMA from the loaded weights
+                self.ema = EMA(self.params, self.ema.decay, self.ema.update_every)
+        es = state["engine"]
+        self.step = es["step"]
+        self.optimizer_steps = es["optimizer_steps"]
+        self.consecutive_skips = es["consecutive_skips"]
+        self.scheduler.load_state_dict(es["scheduler"])
+        o = self.config.optim  # LambdaLR restores its lambda's fields: the current config wins
+        self.scheduler.lr_lambdas[0] = LRLambda(o.lr_schedule, o.warmup_steps, o.total_steps)
+        self.optim_changes = self.apply_configured_optim()
+        self.generator.set_state(es["generator"])
+
+    def apply_configured_optim(self) -> dict[str, tuple[Any, Any]]:
+        """Make the configured ``optim.lr`` / ``weight_decay`` / ``betas`` / ``eps`` the ones the
+        next step uses: a restored optimizer and LR scheduler carry the checkpoint's (the LR
+        schedule continues from its step with the configured base LR). Returns {setting:
+        (checkpoint's value, configured value)} for those that differ (empty when none)."""
+        o, sched = self.config.optim, self.scheduler
+        groups = self.optimizer.param_groups
+        want = {
+            "lr": float(o.lr),
+            "weight_decay": float(o.weight_decay),
+            "betas": tuple(float(b) for b in o.betas),
+            "eps": float(o.eps),
+        }
+        had = {
+            "lr": float(sched.base_lrs[0]),
+            "weight_decay": float(groups[0]["weight_decay"]),
+            "betas": tuple(float(b) for b in groups[0]["betas"]),
+            "eps": float(groups[0]["eps"]),
+        }
+        sched.base_lrs = [want["lr"]] * len(groups)
+        for group, factor in zip(groups, sched.lr_lambdas, strict=True):
+            group.update(initial_lr=want["lr"], weight_decay=want["weight_decay"], eps=want["eps"])
+            group.update(betas=want["betas"], lr=want["lr"] * factor(sched.last_epoch))
+        return {k: (had[k], want[k]) for k in want if had[k] != want[k]}
+
+    # -- exports (flowgrpo.engine.export) ----------------------------------------------------
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded CPU state dict on rank 0 ({} elsewhere). Collective: call on every rank."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        opts = StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
-        )
-        return get_model_state_dict(self.model, options=opts)
+        return export.full_state_dict(self.model, trainable_only)
 
     def export_lora(self, path: str | Path) -> Path:
         """Write the LoRA as diffusers' ``pytorch_lora_weights.safetensors`` (with the peft
         config as adapter metadata) that ``pipe.load_lora_weights(dir)`` loads. ``path`` is a
         directory, or a file name ending in .safetensors. Collective. Returns the file.
-        Wan2.2's second expert goes to ``expert_file(name, "transformer_2")`` beside it
-        (``pipe.load_lora_weights(dir, weight_name=..., load_into_transformer_2=True)``)."""
+        A module of several components (two experts) writes each one's file beside it, named
+        by the module (``lora_file_name``)."""
         if not self.use_lora:
             raise ValueError("export_lora needs lora.enabled; use save_full for a full fine-tune")
-        path = Path(path)
-        folder, name = (
-            (path.parent, path.name)
-            if path.suffix == ".safetensors"
-            else (path, "pytorch_lora_weights.safetensors")
-        )
-        pipe_cls = type(self.adapter.pipe)
-        if not hasattr(pipe_cls, "save_lora_weights"):
-            raise TypeError(f"{pipe_cls.__name__} has no save_lora_weights: cannot export LoRA")
-        state = self.full_state_dict(trainable_only=True)
-        if self.dist.is_main:
-            from peft.utils import get_peft_model_state_dict
-
-            lora = get_peft_model_state_dict(self.model, state_dict=state)
-            meta = self.model.peft_config["default"].to_dict()
-            folder.mkdir(parents=True, exist_ok=True)
-            split = getattr(self.model, "split_state_dict", None)  # Wan2.2's two experts
-            parts = {"transformer": lora} if split is None else split(lora)
-            for component, layers in parts.items():
-                pipe_cls.save_lora_weights(
-                    folder,
-                    transformer_lora_layers=layers,
-                    transformer_lora_adapter_metadata=meta,
-                    weight_name=expert_file(name, component),
-                )
-        fdist.barrier()
-        return folder / name
+        return export.export_lora(self.model, type(self.adapter.pipe), self.dist, path)
 
     def save_full(self, path: str | Path) -> Path:
         """``save_pretrained`` of the full transformer (LoRA merged into the base weights), so
-        ``TransformerClass.from_pretrained(path)`` loads it (Wan2.2: ``path/transformer`` and
-        ``path/transformer_2``, one per expert). Collective. Returns ``path``."""
-        path = Path(path)
-        state = self.full_state_dict()
-        if self.dist.is_main:
-            if self.use_lora:
-                state = merge_lora(state, self.model.peft_config["default"])
-            split = getattr(self.model, "split_state_dict", None)  # Wan2.2's two experts
-            parts = {"": state} if split is None else split(state)
-            for component, part in parts.items():
-                cls = self.component_classes[component] if component else self.model_class
-                expert = getattr(self.model, component) if component else self.model
-                with torch.device("meta"):
-                    fresh = cls.from_config(expert.config)
-                fresh.load_state_dict(part, strict=True, assign=True)
-                fresh.save_pretrained(path / component if component else path)
-        fdist.barrier()
-        return path
+        ``TransformerClass.from_pretrained(path)`` loads it (a module of several components:
+        ``path/<component>`` for each). Collective. Returns ``path``."""
+        return export.save_full(
+            self.model, self.model_class, self.component_classes, self.dist, path, self.use_lora
+        )
 
 
-def merge_lora(state: dict[str, torch.Tensor], peft_config) -> dict[str, torch.Tensor]:
-    """Fold peft LoRA Linear layers into their base weights: W + s B A with s = alpha / r
-    (alpha / sqrt(r) with rslora), and drop the peft key infixes."""
-    r, alpha = peft_config.r, peft_config.lora_alpha
-    scale = alpha / math.sqrt(r) if getattr(peft_config, "use_rslora", False) else alpha / r
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if ".lora_" in key:
-            continue
-        if ".base_layer." in key:
-            prefix, leaf = key.split(".base_layer.")
-            a_key = f"{prefix}.lora_A.default.weight"
-            if leaf == "weight" and a_key in state:
-                a, b = state[a_key].float(), state[f"{prefix}.lora_B.default.weight"].float()
-                if value.ndim != 2:
-                    raise ValueError(f"cannot merge a LoRA into non-Linear weight {key}")
-                value = (value.float() + scale * (b @ a)).to(value.dtype)
-            key = f"{prefix}.{leaf}"
-        out[key] = value
-    return out
-
-
-__all__ = [
-    "DiffusersFSDPEngine",
-    "LRLambda",
-    "expert_file",
-    "merge_lora",
-    "resolve_dtype",
-    "transformer_blocks",
-]
-
-
-def expert_file(name: str, component: str) -> str:
-    """The LoRA file of a pipeline component: ``name`` for the transformer, ``<stem>_2.<ext>``
-    for Wan2.2's ``transformer_2``."""
-    if component == "transformer":
-        return name
-    stem, dot, ext = name.rpartition(".")
-    return f"{stem}_2{dot}{ext}" if dot else f"{name}_2"
+__all__ = ["DiffusersFSDPEngine", "LRLambda", "MicroBatch", "MiniBatch"]
