@@ -189,7 +189,10 @@ def check_kind(kind: str, pm) -> dict:
     # bf16 weights (what GPUs run): SP is no farther from fp32 than one process in bf16 is
     sp16 = copy.deepcopy(base).to(torch.bfloat16)
     one16 = copy.deepcopy(sp16)
-    enable_sequence_parallel(sp16, pm, 2)
+    # the spec passed by the caller (as from the adapter), not looked up from the class
+    res["bf16_family"] = enable_sequence_parallel(
+        sp16, pm, 2, spec=adapter.sequence_parallel
+    ).family
     with torch.no_grad():
         v32, v_sp, v_one = (velocity(adapter, m, inputs) for m in (base, sp16, one16))
     res["bf16_sp_vs_fp32_rel"] = rel(v_sp, v32)

@@ -51,6 +51,7 @@ def test_forward_and_guided_velocity_equal_one_process(sp2, kind):
 @pytest.mark.parametrize("kind", sp_ranks.KINDS)
 def test_bf16_velocity_is_as_close_to_fp32_as_one_process(sp2, kind):
     res = _kind(sp2, kind)
+    assert res["bf16_family"] == kind  # enabled with the adapter's spec, passed explicitly
     sp, one = res["bf16_sp_vs_fp32_rel"], res["bf16_one_vs_fp32_rel"]
     print(f"{kind} bf16: sp {sp:.1e}, one process {one:.1e}, apart {res['bf16_sp_vs_one_rel']:.1e}")
     assert sp <= 1.5 * one + 1e-3

@@ -140,3 +140,69 @@ def test_save_then_load_pipeline_reproduces_latents(kind, tmp_path):
     if kind == "sd3":
         half = load_pipeline(tmp_path, torch_dtype=torch.bfloat16)
         assert half.transformer.dtype == torch.bfloat16
+
+
+def test_family_options_are_model_settings_and_come_from_the_adapters():
+    import dataclasses
+
+    from flowgrpo.config.schema import ModelConfig
+    from flowgrpo.models.registry import adapter_options, family_options
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert family_options() <= fields  # every option an adapter takes is a model.* setting
+    assert family_options() == {
+        "true_cfg_scale",
+        "max_sequence_length",
+        "num_frames",
+        "guidance_scale_2",
+    }
+    assert adapter_options(FluxPipeline) == {"true_cfg_scale", "max_sequence_length"}
+    assert adapter_options(StableDiffusion3Pipeline) == {"max_sequence_length"}
+
+
+def test_sequence_parallel_spec_is_found_from_the_transformer_class():
+    from flowgrpo.models.registry import sequence_parallel_of
+
+    found = {kind: sequence_parallel_of(tiny_pipeline(kind).transformer) for kind in TINY_KINDS}
+    assert {k: s.name for k, s in found.items()} == {k: k for k in TINY_KINDS}
+    assert sequence_parallel_of(tiny_pipeline("wan").transformer) is None  # diffusers' plan
+    sd3 = tiny_pipeline("sd3").transformer
+    sd3.__class__ = type("FSDPSD3Transformer2DModel", (type(sd3),), {})  # as fully_shard does
+    assert sequence_parallel_of(sd3) is found["sd3"]
+    assert sequence_parallel_of(torch.nn.Linear(2, 2)) is None
+
+
+def test_padding_rules_of_the_families():
+    """Text of 3 tokens padded by 1 for sp = 2: the model's own mask (Qwen-Image) extended
+    with a 0; else a full-length key mask through joint_attention_kwargs (SD3, FLUX) and
+    FLUX's text position ids extended with zeros; the originals untouched."""
+    from flowgrpo.models.flux import FluxAdapter
+    from flowgrpo.models.qwen_image import QwenImageAdapter
+    from flowgrpo.models.sd3 import SD3Adapter
+
+    ehs = torch.randn(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    got = QwenImageAdapter.sequence_parallel.pad_text(
+        {"encoder_hidden_states": ehs, "encoder_hidden_states_mask": mask}, 1
+    )
+    assert torch.equal(got["encoder_hidden_states"][:, :3], ehs)
+    assert torch.equal(got["encoder_hidden_states"][:, 3], torch.zeros(2, 4))
+    assert got["encoder_hidden_states_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+    assert "joint_attention_kwargs" not in got
+    plain = QwenImageAdapter.sequence_parallel.pad_text({"encoder_hidden_states": ehs}, 1)
+    assert plain["encoder_hidden_states_mask"].tolist() == [[1, 1, 1, 0]] * 2
+
+    key_mask = [[True, True, True, False]] * 2
+    got = SD3Adapter.sequence_parallel.pad_text({"encoder_hidden_states": ehs}, 1)
+    assert got["joint_attention_kwargs"]["text_key_mask"].tolist() == key_mask
+    ids = torch.arange(9.0).reshape(3, 3) + 1
+    kwargs = {"encoder_hidden_states": ehs, "txt_ids": ids, "joint_attention_kwargs": {"a": 1}}
+    got = FluxAdapter.sequence_parallel.pad_text(kwargs, 1)
+    assert set(got["joint_attention_kwargs"]) == {"a", "text_key_mask"}
+    assert got["joint_attention_kwargs"]["text_key_mask"].tolist() == key_mask
+    assert got["txt_ids"].tolist() == [*ids.tolist(), [0.0, 0.0, 0.0]]
+    assert kwargs["txt_ids"] is ids and kwargs["joint_attention_kwargs"] == {"a": 1}
+    with pytest.raises(ValueError, match="text_key_mask is set by enable_sequence_parallel"):
+        SD3Adapter.sequence_parallel.pad_text(
+            {"encoder_hidden_states": ehs, "joint_attention_kwargs": {"text_key_mask": 0}}, 1
+        )

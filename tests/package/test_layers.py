@@ -10,6 +10,7 @@ an import.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "flowgrpo"
@@ -109,3 +110,130 @@ def test_nothing_below_the_toy_imports_it() -> None:
         and any(d == "flowgrpo.toy" or d.startswith("flowgrpo.toy.") for d in deps)
     )
     assert users == []
+
+
+# -- no model family outside models/ ---------------------------------------------------------------
+#: the layers that must work for any family: they ask the adapter, they never name one
+FAMILY_FREE = ("engine", "rollout", "trainer", "config")
+
+
+def _words(text: str) -> list[str]:
+    """``text`` as lowercase words: split at camel case, between letters and digits and at
+    anything else (``SD3Transformer2DModel`` -> sd 3 transformer 2 d model)."""
+    text = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", text)
+    text = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1 \2", text)
+    return re.findall(r"[a-z]+|[0-9]+", text.lower())
+
+
+def family_names() -> set[tuple[str, ...]]:
+    """Every name of every family ``flowgrpo.models.registry`` registers under
+    ``flowgrpo.models`` (the toy is a layer of its own), as word sequences: the adapter module
+    (``qwen_image`` and its first word ``qwen``), the adapter class less ``Adapter``, the
+    pipeline class less ``Pipeline`` (``StableDiffusion3``)."""
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES
+
+    names: set[tuple[str, ...]] = set()
+    for pipeline, path in SUPPORTED_PIPELINES.items():
+        module, _, cls = path.partition(":")
+        if not module.startswith("flowgrpo.models."):
+            continue
+        base = module.rsplit(".", 1)[1]
+        for name in (base, cls.removesuffix("Adapter"), pipeline.removesuffix("Pipeline")):
+            names.add(tuple(_words(name)))
+        names.add(tuple(_words(base.split("_")[0])))
+    return names
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def _help_texts(tree: ast.AST) -> set[int]:
+    """The help text of ``setting(default, "help", ...)`` (documentation, e.g. "Wan: 81")."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setting":
+            args = node.args[1:2] + [k.value for k in node.keywords if k.arg == "help"]
+            for arg in args:
+                out |= {id(n) for n in ast.walk(arg) if isinstance(n, ast.Constant)}
+    return out
+
+
+def named_texts(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every name in the code of ``path``: identifiers, attribute names,
+    arguments, keywords, imported modules and names, and string constants other than
+    docstrings and settings help."""
+    tree = ast.parse(path.read_text())
+    skip = _docstrings(tree) | _help_texts(tree)
+    out = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name):
+            out.append((line, node.id))
+        elif isinstance(node, ast.Attribute):
+            out.append((line, node.attr))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append((line, node.name))
+        elif isinstance(node, ast.arg):
+            out.append((line, node.arg))
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.append((line, node.arg))
+        elif isinstance(node, ast.ImportFrom):
+            out += [(line, node.module or "")] + [(line, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(line, a.name) for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in skip:
+                out.append((line, node.value))
+    return out
+
+
+def family_mentions(root: Path = SRC) -> list[str]:
+    """``file:line: text`` for every name of a family in the code of the family-free layers."""
+    names = family_names()
+    found = []
+    for layer in FAMILY_FREE:
+        for path in sorted((root / layer).rglob("*.py")):
+            for line, text in named_texts(path):
+                words = _words(text)
+                hit = any(
+                    tuple(words[i : i + len(n)]) == n for n in names for i in range(len(words))
+                )
+                if hit:
+                    found.append(f"{path.relative_to(root)}:{line}: {text[:80]!r}")
+    return found
+
+
+def test_family_names_come_from_the_registry() -> None:
+    names = family_names()
+    for family in [("sd", "3"), ("flux",), ("qwen",), ("qwen", "image"), ("wan",)]:
+        assert family in names
+    assert ("stable", "diffusion", "3") in names
+    assert ("sd",) not in names and ("image",) not in names
+    assert ("toy",) not in names  # a layer of its own, named by the CLI
+
+
+def test_the_family_check_finds_a_family_in_code(tmp_path) -> None:
+    layer = tmp_path / "engine"
+    layer.mkdir()
+    (layer / "x.py").write_text(
+        '"""A docstring may say SD3 or Qwen-Image."""\n'
+        "from diffusers import FluxTransformer2DModel\n"
+        "def f(m):\n"
+        '    """Wan too."""\n'
+        '    return m.startswith("QwenImage") or m.wan_expert or want\n'
+    )
+    found = family_mentions(tmp_path)
+    texts = sorted(f.split(": ", 1)[1] for f in found)
+    assert texts == ["'FluxTransformer2DModel'", "'QwenImage'", "'wan_expert'"], found
+
+
+def test_engine_rollout_trainer_and_config_name_no_model_family() -> None:
+    found = family_mentions()
+    assert not found, "ask the adapter instead of naming its family:\n" + "\n".join(found)

@@ -195,41 +195,10 @@ def _dtype_bytes(name: str, device: str) -> int:
     return resolve_dtype(name, device).itemsize
 
 
-def _uses_cfg(cfg: Any, pipeline: str) -> bool:
+def _guidance(cfg: Any) -> float:
     algo = getattr(cfg, cfg.algorithm, None)
     g = getattr(algo, "guidance_scale", None)
-    g = cfg.sample.guidance_scale if g is None else g
-    if pipeline.startswith("Flux"):  # FLUX.1-dev's guidance is distilled: true CFG only
-        return cfg.model.true_cfg_scale > 1
-    return g > 1
-
-
-def _tokens(cfg: Any, configs: dict[str, Any], pipeline: str) -> tuple[int, int, int]:
-    """(image/video tokens, text tokens in the joint sequence, latent elements per sample)."""
-    t, vae = configs["transformer"], configs.get("vae", {})
-    h, w = cfg.model.height, cfg.model.width
-    blocks = vae.get("block_out_channels")  # AutoencoderKL: 2^(levels - 1); Wan/Qwen VAE: 8
-    f = 2 ** (len(blocks) - 1) if blocks else 8
-    channels = int(vae.get("latent_channels", vae.get("z_dim", 16)))
-    patch = t.get("patch_size", 2)
-    if isinstance(patch, list):  # Wan: (frames, h, w)
-        frames = cfg.model.num_frames or 81
-        lat_f = (frames - 1) // 4 + 1
-        img = lat_f * (h // (f * patch[1])) * (w // (f * patch[2]))
-        return img, 0, channels * lat_f * (h // f) * (w // f)
-    img = (h // (2 * f)) * (w // (2 * f))  # 2x2 patches (SD3) or 2x2 packing (FLUX, Qwen)
-    text, _ = _text_len(cfg, pipeline)
-    return img, text, channels * (h // f) * (w // f)
-
-
-def _text_len(cfg: Any, pipeline: str) -> tuple[int, int]:
-    """(text tokens per prompt, embedding width) as the family's adapter encodes them."""
-    L = cfg.model.max_sequence_length
-    if pipeline.startswith("StableDiffusion3"):
-        return 77 + (L or 256), 4096
-    if pipeline.startswith("QwenImage"):
-        return L or 512, 3584
-    return L or 512, 4096
+    return cfg.sample.guidance_scale if g is None else g
 
 
 def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> Plan:
@@ -246,7 +215,7 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     configs = read_model_configs(str(cfg.model.path))
     index = configs["model_index"]
     pipeline = str(index.get("_class_name", ""))
-    from flowgrpo.models.registry import SUPPORTED_PIPELINES
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, family_options, import_adapter
 
     if pipeline not in SUPPORTED_PIPELINES:
         raise ValueError(
@@ -264,16 +233,15 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     wbytes = _dtype_bytes(m.dtype, device)  # the loaded weights (frozen parts, LoRA base)
     cbytes = wbytes if fs.param_dtype == "auto" else _dtype_bytes(fs.param_dtype, device)
 
-    trained = [c for c in ("transformer", "transformer_2") if c in configs and c in index]
+    adapter_cls = import_adapter(SUPPORTED_PIPELINES[pipeline])
+    options = {k: getattr(m, k) for k in family_options()}  # the family's model.* options
+    trained = [c for c in adapter_cls.trained_components(index) if c in configs and c in index]
     shapes = []
     for comp in trained:
         lib, cls = index[comp]
         model = build_on_meta(lib, cls, configs[comp])
         targets = cfg.lora.target_modules
         if targets is None:
-            from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
-
-            adapter_cls = import_adapter(SUPPORTED_PIPELINES[pipeline])
             targets = list(adapter_cls.lora_target_modules)
         shapes.append(transformer_shape(model, targets, cfg.lora.rank))
     n_params = sum(s.params for s in shapes)
@@ -315,8 +283,9 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     parts["frozen text encoders"] = 0.0 if released else text * wbytes
     parts["frozen VAE etc."] = other * wbytes
 
-    img, txt, latent = _tokens(cfg, configs, pipeline)
-    rows = 2 if _uses_cfg(cfg, pipeline) else 1
+    tokens = adapter_cls.token_counts(configs, m.height, m.width, options)
+    img, txt, latent = tokens.image, tokens.text, tokens.latent
+    rows = 2 if adapter_cls.plans_cfg(_guidance(cfg), options) else 1
     sp = fs.sp_degree
     coef = ACT_PER_WIDTH["lora" if lora else "full"]
     per_block = [
@@ -341,10 +310,8 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
         k = s.window_size
     else:
         k = max(1, math.ceil(s.stochastic_steps() * s.timestep_fraction))
-    text_len, text_dim = _text_len(cfg, pipeline)
-    frames = (
-        (m.num_frames or 81) if isinstance(configs["transformer"].get("patch_size"), list) else 1
-    )
+    text_len, text_dim = tokens.prompt
+    frames = tokens.frames
     per_sample = (
         (k + 2) * latent * 4  # latents of the trained steps + the final latents, fp32
         + rows * text_len * text_dim * wbytes  # prompt (and negative) embeddings
@@ -430,23 +397,14 @@ def settings_that_fit(
     return added, plan
 
 
-#: the shipped presets and the real models they are written for
-PRESET_MODELS = [
-    ("qwen-image-ocr", "qwen-image", []),
-    ("flux-pickscore", "flux.1-dev", []),
-    ("sd3-ocr", "sd3.5-medium", []),
-    ("sd3-ocr", "sd3.5-large", []),
-    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
-    ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
-]
-
-
 def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
     """The markdown table of docs/memory.md: every preset's real model, LoRA (the preset) and
     a full fine-tune, on ``gpus`` GPUs of each size: GB per GPU and the settings that fit."""
     head = "| preset, model | training | " + " | ".join(
         f"{gpus}x{g:g} GB: GB/GPU, settings added" for g in gpu_sizes
     )
+    from flowgrpo.models.registry import PRESET_MODELS
+
     lines = [head + " |", "|" + "---|" * (2 + len(gpu_sizes))]
     for preset, model, extra in PRESET_MODELS:
         for label, more in (("LoRA (preset)", []), ("full, KL as preset", ["lora.enabled=false"])):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowgrpo.config.schema import Config
+from flowgrpo.models.registry import PRESET_PIPELINES  # which pipelines each preset is for
 from flowgrpo.settings import BUILTIN, DEFAULT_PRESET, ConfigError, check_section
 
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -60,14 +61,6 @@ def _check_prompt_file(key: str, path: str) -> None:
 
 
 COMMANDS = ("train", "eval", "sample", "export")
-#: the pipeline classes (model_index.json's ``_class_name``) each shipped preset is made for
-PRESET_PIPELINES = {
-    "toy-digits": ("ToyDigitsPipeline",),
-    "sd3-ocr": ("StableDiffusion3Pipeline",),
-    "qwen-image-ocr": ("QwenImagePipeline",),
-    "flux-pickscore": ("FluxPipeline",),
-    "wan-t2v-ocr": ("WanPipeline",),
-}
 #: reward options that name a file or folder (checked to exist before anything loads)
 _PATH_OPTION = ("path", "dir")
 

@@ -29,14 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flowgrpo.engine.config import parallel_layout
 
-#: model families with a tested plan and padding rules (others: their own ``_cp_plan``, no padding)
-SP_FAMILIES = ("qwen_image", "flux", "sd3")
-_CLASS_PREFIX = {
-    "QwenImageTransformer": "qwen_image",
-    "FluxTransformer": "flux",
-    "SD3Transformer": "sd3",
-}
-
 
 # -- meshes -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -131,144 +123,7 @@ def cpu_accelerator_shim() -> Iterator[None]:
         torch.accelerator.device_count = original
 
 
-# -- SD3: a CP-capable joint-attention processor and a cp plan --------------------------------
-def _local_chunk(mask: torch.Tensor, parallel_config: Any) -> torch.Tensor:
-    """This rank's chunk of a full-length [B, L] text mask: the same chunk diffusers' split
-    hook took of the text (``EquipartitionSharder``: chunk i of the flattened CP mesh)."""
-    cp = getattr(parallel_config, "context_parallel_config", None)
-    if cp is None or cp._flattened_mesh is None:
-        return mask
-    mesh = cp._flattened_mesh
-    return mask.chunk(mesh.size(), dim=1)[dist.get_rank(mesh.get_group())]
-
-
-class CPJointAttnProcessor:
-    """diffusers' ``JointAttnProcessor2_0`` (SD3/SD3.5: q/k RMS-norm, [image, text] joint
-    order, ``context_pre_only``, the image-only ``attn2`` of SD3.5 dual layers) computed through
-    ``dispatch_attention_fn``, so ``enable_parallelism`` hands it the Ulysses config. The stock
-    processor calls F.scaled_dot_product_attention directly and has no ``_parallel_config``:
-    diffusers skips it silently and every rank attends to its own tokens only (1.3e-2 off).
-
-    ``text_key_mask`` [B, L] (True = real token, full length, never split) masks the padding
-    that ``enable_sequence_parallel`` appends to the text."""
-
-    _attention_backend = None
-    _parallel_config = None
-
-    def __call__(
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        text_key_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        if attention_mask is not None:
-            raise ValueError("CPJointAttnProcessor takes text_key_mask, not attention_mask")
-        heads = attn.heads
-
-        def split(x: torch.Tensor) -> torch.Tensor:  # [B, S, H * D] -> [B, S, H, D]
-            return x.unflatten(-1, (heads, x.shape[-1] // heads))
-
-        query, key, value = (split(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        n_img, mask = hidden_states.shape[1], None
-        if encoder_hidden_states is not None:
-            projs = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            eq, ek, ev = (split(f(encoder_hidden_states)) for f in projs)
-            if attn.norm_added_q is not None:
-                eq = attn.norm_added_q(eq)
-            if attn.norm_added_k is not None:
-                ek = attn.norm_added_k(ek)
-            query, key, value = (torch.cat(p, dim=1) for p in ((query, eq), (key, ek), (value, ev)))
-            if text_key_mask is not None:
-                txt = _local_chunk(text_key_mask.bool(), self._parallel_config)
-                img = txt.new_ones(txt.shape[0], n_img)
-                mask = torch.cat([img, txt], dim=1)[:, None, None, :]  # [B, 1, 1, S_local]
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(query.dtype)
-        if encoder_hidden_states is None:
-            return attn.to_out[1](attn.to_out[0](out))
-        out, enc = out[:, :n_img], out[:, n_img:]
-        if not attn.context_pre_only:
-            enc = attn.to_add_out(enc)
-        return attn.to_out[1](attn.to_out[0](out)), enc
-
-
-def sd3_cp_plan() -> dict[str, Any]:
-    """``SD3Transformer2DModel`` has no ``_cp_plan`` in diffusers 0.42.1. Its input is a latent
-    image [B, C, H, W]; PatchEmbed adds a cropped 2-D position embedding that needs the full H
-    and W, so the image is split *after* ``pos_embed`` (its [B, S, D] output, dim 1), the text
-    at the root (``context_embedder`` is per token), and the output is gathered after
-    ``proj_out``, before the unpatchify that reads H and W from the unsplit input."""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    return {
-        "": {"encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
-        "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-    }
-
-
-def _maskable_flux_processor(old: Any) -> Any:
-    """diffusers' ``FluxAttnProcessor`` that also takes ``text_key_mask`` [B, L] (full length)
-    for padded T5 tokens; the joint sequence is [text, image] in double and single blocks."""
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-
-    class MaskableFluxAttnProcessor(FluxAttnProcessor):
-        def __call__(
-            self,
-            attn,
-            hidden_states,
-            encoder_hidden_states=None,
-            attention_mask=None,
-            image_rotary_emb=None,
-            text_key_mask=None,
-        ):
-            if text_key_mask is not None:
-                if attention_mask is not None:
-                    raise ValueError("pass text_key_mask or attention_mask, not both")
-                txt = _local_chunk(text_key_mask.bool(), self._parallel_config)
-                total = hidden_states.shape[1]
-                if encoder_hidden_states is not None:
-                    total += encoder_hidden_states.shape[1]
-                rest = txt.new_ones(txt.shape[0], total - txt.shape[1])
-                attention_mask = torch.cat([txt, rest], dim=1)[:, None, None, :]
-            return super().__call__(
-                attn,
-                hidden_states,
-                encoder_hidden_states,
-                attention_mask=attention_mask,
-                image_rotary_emb=image_rotary_emb,
-            )
-
-    new = MaskableFluxAttnProcessor()
-    new._attention_backend = getattr(old, "_attention_backend", None)
-    return new
-
-
 # -- checks and padding -----------------------------------------------------------------------
-def model_family(transformer: nn.Module) -> str | None:
-    """The family ("qwen_image", "flux", "sd3") from the class (FSDP subclasses too), or None."""
-    for cls in type(transformer).__mro__:
-        for prefix, family in _CLASS_PREFIX.items():
-            if cls.__name__.startswith(prefix):
-                return family
-    return None
-
-
 def _attention_modules(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention, MochiAttention
@@ -296,26 +151,14 @@ def check_cp_processors(transformer: nn.Module) -> None:
             )
 
 
-def _pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = n
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
-def _image_tokens(family: str, module: nn.Module, hidden_states: torch.Tensor) -> int:
-    if family == "sd3":  # [B, C, H, W] latents, patchified inside
-        p = module.config.patch_size
-        return (hidden_states.shape[-2] // p) * (hidden_states.shape[-1] // p)
-    return hidden_states.shape[1]  # packed [B, S, C]
-
-
 class _SPForwardCheck:
     """Forward pre-hook on the transformer (runs before diffusers' split hooks, which live in
-    ``forward``): checks the call, pads the text to a multiple of sp with masked tokens, checks
-    the image tokens divide, and optionally that the SP group got identical inputs."""
+    ``forward``): checks the call and, for a family that declares a ``SequenceParallelSpec``,
+    checks the image tokens divide, optionally that the SP group got identical inputs, and pads
+    the text to a multiple of sp with masked tokens (the spec's padding rule)."""
 
-    def __init__(self, family, sp, group, attention, hooked, verify_inputs):
-        self.family, self.sp, self.group = family, sp, group
+    def __init__(self, spec, sp, group, attention, hooked, verify_inputs):
+        self.spec, self.sp, self.group = spec, sp, group
         self.attention, self.hooked, self.verify_inputs = attention, hooked, verify_inputs
 
     def __call__(self, module, args, kwargs):
@@ -330,10 +173,10 @@ class _SPForwardCheck:
         for _, attn in self.attention:
             if getattr(attn.processor, "_parallel_config", None) is None:
                 check_cp_processors(module)  # raises, naming the module
-        if self.family is None:
+        if self.spec is None:
             return None
         hs, ehs = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
-        n_img = _image_tokens(self.family, module, hs)
+        n_img = self.spec.image_tokens(module, hs)
         if n_img % self.sp:
             raise ValueError(
                 f"{n_img} image tokens do not split over sp_degree={self.sp}: choose a height "
@@ -344,26 +187,7 @@ class _SPForwardCheck:
         pad = (-ehs.shape[1]) % self.sp
         if pad == 0:
             return None
-        kwargs = dict(kwargs)
-        kwargs["encoder_hidden_states"] = _pad(ehs, pad, 1)
-        if self.family == "qwen_image":  # the model honours its own text mask
-            mask = kwargs.get("encoder_hidden_states_mask")
-            if mask is None:
-                mask = torch.ones(ehs.shape[:2], dtype=torch.long, device=ehs.device)
-            kwargs["encoder_hidden_states_mask"] = _pad(mask, pad, 1)
-            return args, kwargs
-        # sd3, flux: a full-length key mask through joint_attention_kwargs to our processors
-        jak = dict(kwargs.get("joint_attention_kwargs") or {})
-        if "text_key_mask" in jak:
-            raise ValueError("text_key_mask is set by enable_sequence_parallel's padding")
-        jak["text_key_mask"] = _pad(
-            torch.ones(ehs.shape[:2], dtype=torch.bool, device=ehs.device), pad, 1
-        )
-        kwargs["joint_attention_kwargs"] = jak
-        if self.family == "flux":  # zero position ids, as every T5 token has
-            ids = kwargs["txt_ids"]
-            kwargs["txt_ids"] = _pad(ids, pad, ids.ndim - 2)
-        return args, kwargs
+        return args, self.spec.pad_text(kwargs, pad)
 
     def _verify(self, *tensors: torch.Tensor | None) -> None:
         sums = torch.stack([t.double().sum() for t in tensors if t is not None])
@@ -378,7 +202,8 @@ class _SPForwardCheck:
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """What ``enable_sequence_parallel`` did (also stored as ``transformer._flowgrpo_sp``)."""
+    """What ``enable_sequence_parallel`` did (also stored as ``transformer._flowgrpo_sp``).
+    family: the name of the family's ``SequenceParallelSpec`` (None: diffusers' plan alone)."""
 
     family: str | None
     sp_degree: int
@@ -391,6 +216,7 @@ def enable_sequence_parallel(
     mesh: ParallelMesh | DeviceMesh,
     sp_degree: int,
     *,
+    spec: Any = None,
     verify_inputs: bool = False,
 ) -> SequenceParallel | None:
     """Turn on diffusers' Ulysses attention on ``transformer`` over our mesh (never a default
@@ -404,11 +230,14 @@ def enable_sequence_parallel(
     inputs: diffusers takes each rank's chunk itself. ``verify_inputs`` checks that on every
     forward (one small all-gather; for debugging).
 
-    Qwen-Image, FLUX, SD3: text shorter than a multiple of sp is padded with masked tokens (the
-    result is the unpadded one); image tokens must divide by sp (clear error). Heads must
-    divide by sp. Other models with a diffusers ``_cp_plan`` (e.g. Wan) run without padding:
-    every split length must divide by sp. A module holding several transformers (Wan2.2's
-    two experts) names them in ``sequence_parallel_parts()``: each gets SP on the same mesh.
+    ``spec``: the family's ``flowgrpo.models.parallel.SequenceParallelSpec`` (its adapter's
+    ``sequence_parallel``); None: the one a registered family declares for the transformer's
+    class (``flowgrpo.models.registry.sequence_parallel_of``). With a spec, the spec's plan and
+    attention processors are installed, text shorter than a multiple of sp is padded with
+    masked tokens (the result is the unpadded one) and image tokens must divide by sp (clear
+    error). Without one, diffusers' ``_cp_plan`` runs without padding: every split length must
+    divide by sp. Heads must divide by sp. A module holding several transformers (two experts)
+    names them in ``sequence_parallel_parts()``: each gets SP on the same mesh.
     """
     from diffusers import ContextParallelConfig
 
@@ -426,9 +255,10 @@ def enable_sequence_parallel(
             f"expected ring=1, ulysses=sp_degree={sp_degree}"
         )
     parts = getattr(transformer, "sequence_parallel_parts", None)
-    if callable(parts):  # several transformers in one module (Wan2.2's experts): each gets SP
+    if callable(parts):  # several transformers in one module (experts): each gets SP
         infos = [
-            enable_sequence_parallel(p, cp, sp_degree, verify_inputs=verify_inputs) for p in parts()
+            enable_sequence_parallel(p, cp, sp_degree, spec=spec, verify_inputs=verify_inputs)
+            for p in parts()
         ]
         info = SequenceParallel(
             infos[0].family, sp_degree, infos[0].parallel_config, [i.hook for i in infos]
@@ -437,8 +267,11 @@ def enable_sequence_parallel(
         return info
     if getattr(transformer, "_parallel_config", None) is not None:
         raise RuntimeError("parallelism is already enabled on this transformer (once per model)")
-    family = model_family(transformer)
-    plan = sd3_cp_plan() if family == "sd3" else getattr(transformer, "_cp_plan", None)
+    if spec is None:
+        from flowgrpo.models.registry import sequence_parallel_of
+
+        spec = sequence_parallel_of(transformer)
+    plan = getattr(transformer, "_cp_plan", None) if spec is None else spec.cp_plan(transformer)
     if plan is None:
         raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan)")
     heads = getattr(transformer.config, "num_attention_heads", None)
@@ -448,20 +281,20 @@ def enable_sequence_parallel(
             f"over sp_degree={sp_degree}: Ulysses gives each rank heads / sp of them"
         )
     attention = _attention_modules(transformer)
-    for _, module in attention:  # our processors (same math, CP-capable, text mask)
-        if family == "sd3":
-            module.set_processor(CPJointAttnProcessor())
-        elif family == "flux":
-            module.set_processor(_maskable_flux_processor(module.processor))
+    for _, module in attention:  # the family's processors (same math, CP-capable, text mask)
+        processor = None if spec is None else spec.attention_processor(module)
+        if processor is not None:
+            module.set_processor(processor)
     config = ContextParallelConfig(ulysses_degree=sp_degree, mesh=cp)
     with cpu_accelerator_shim():
         transformer.enable_parallelism(config=config, cp_plan=plan)
     check_cp_processors(transformer)
     hooked = [(name, transformer.get_submodule(name)) for name in plan if name and "*" not in name]
     check = _SPForwardCheck(
-        family, sp_degree, cp["ulysses"].get_group(), attention, hooked, verify_inputs
+        spec, sp_degree, cp["ulysses"].get_group(), attention, hooked, verify_inputs
     )
     handle = transformer.register_forward_pre_hook(check, with_kwargs=True)
+    family = None if spec is None else spec.name
     info = SequenceParallel(family, sp_degree, transformer._parallel_config, handle)
     transformer._flowgrpo_sp = info
     return info
@@ -497,15 +330,11 @@ def set_sp_gradient_scale(model: nn.Module, mesh: ParallelMesh) -> int:
 
 
 __all__ = [
-    "SP_FAMILIES",
-    "CPJointAttnProcessor",
     "ParallelMesh",
     "SequenceParallel",
     "build_parallel_mesh",
     "check_cp_processors",
     "cpu_accelerator_shim",
     "enable_sequence_parallel",
-    "model_family",
-    "sd3_cp_plan",
     "set_sp_gradient_scale",
 ]

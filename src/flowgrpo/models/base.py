@@ -150,6 +150,25 @@ def vae_scale(vae_config: dict) -> int:
     return 2 ** (len(vae_config.get("block_out_channels", (0,) * 4)) - 1)
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """One sample's sizes as the memory planner (``flowgrpo.config.memory``) counts them."""
+
+    image: int  # image (video) tokens in the transformer's sequence
+    text: int  # text tokens in the joint sequence (0: the text is cross-attended)
+    latent: int  # latent elements per sample
+    prompt: tuple[int, int]  # (tokens, width) of one prompt's embedding
+    frames: int = 1  # decoded frames per sample
+
+
+def planner_vae(vae_config: dict) -> tuple[int, int]:
+    """(spatial factor, latent channels) of a VAE config as the planner reads it: AutoencoderKL
+    2^(levels - 1), a VAE without ``block_out_channels`` 8; ``latent_channels`` or ``z_dim``."""
+    blocks = vae_config.get("block_out_channels")
+    f = 2 ** (len(blocks) - 1) if blocks else 8
+    return f, int(vae_config.get("latent_channels", vae_config.get("z_dim", 16)))
+
+
 class DiffusionAdapter(ABC):
     """Base class of the per-family adapters (one file each: qwen_image, sd3, flux, wan, toy)."""
 
@@ -161,6 +180,12 @@ class DiffusionAdapter(ABC):
     default_negative_prompt: str = ""
     #: a ``PromptEmbedCache`` (models/prompt_cache.py) that ``encode`` reads and fills; None = off
     prompt_cache: Any = None
+    #: what the engine's sequence parallelism needs of this family (``models/parallel.py``);
+    #: None: diffusers' ``_cp_plan`` and processors, no padding (every split length divides)
+    sequence_parallel: Any = None
+    #: loggers of the pipeline's prompt encoders that warn about truncated prompts (the
+    #: trainer drops the warning when nothing but blanks was cut: ``trainer/quiet.py``)
+    truncation_loggers: tuple[str, ...] = ()
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
@@ -194,6 +219,29 @@ class DiffusionAdapter(ABC):
     def uses_cfg(self, guidance_scale: float) -> bool:
         """True when a negative/unconditional branch is evaluated (guidance_scale > 1)."""
         return guidance_scale > 1.0
+
+    # -- what the memory planner reads (config files and options only, no weights) ----------
+    @classmethod
+    def plans_cfg(cls, guidance_scale: float, options: dict[str, Any]) -> bool:
+        """``uses_cfg`` before the adapter exists: ``options`` are the ``model.*`` family
+        options (``registry.family_options``) as configured."""
+        return guidance_scale > 1.0
+
+    @classmethod
+    def prompt_tokens(cls, max_sequence_length: int | None) -> tuple[int, int]:
+        """(tokens, width) of one prompt's embedding as the adapter encodes it."""
+        return max_sequence_length or 512, 4096
+
+    @classmethod
+    def token_counts(
+        cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
+    ) -> TokenCounts:
+        """One sample's tokens from the components' config dicts (``configs["vae"]``, ...):
+        here an image family of 2x2 patches (or 2x2 packed latents) with joint text."""
+        f, channels = planner_vae(configs.get("vae", {}))
+        prompt = cls.prompt_tokens(options.get("max_sequence_length"))
+        image = (height // (2 * f)) * (width // (2 * f))
+        return TokenCounts(image, prompt[0], channels * (height // f) * (width // f), prompt)
 
     # -- per family -------------------------------------------------------------------------
     @abstractmethod

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from flowgrpo.models.base import (
     DiffusionAdapter,
@@ -34,6 +35,57 @@ from flowgrpo.models.base import (
     param_dtype,
     vae_scale,
 )
+from flowgrpo.models.parallel import SequenceParallelSpec, local_chunk
+
+
+# -- sequence parallelism: a processor that masks padded text ---------------------------------
+def maskable_processor(old: Any) -> Any:
+    """diffusers' ``FluxAttnProcessor`` that also takes ``text_key_mask`` [B, L] (full length)
+    for padded T5 tokens; the joint sequence is [text, image] in double and single blocks."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class MaskableFluxAttnProcessor(FluxAttnProcessor):
+        def __call__(
+            self,
+            attn,
+            hidden_states,
+            encoder_hidden_states=None,
+            attention_mask=None,
+            image_rotary_emb=None,
+            text_key_mask=None,
+        ):
+            if text_key_mask is not None:
+                if attention_mask is not None:
+                    raise ValueError("pass text_key_mask or attention_mask, not both")
+                txt = local_chunk(text_key_mask.bool(), self._parallel_config)
+                total = hidden_states.shape[1]
+                if encoder_hidden_states is not None:
+                    total += encoder_hidden_states.shape[1]
+                rest = txt.new_ones(txt.shape[0], total - txt.shape[1])
+                attention_mask = torch.cat([txt, rest], dim=1)[:, None, None, :]
+            return super().__call__(
+                attn,
+                hidden_states,
+                encoder_hidden_states,
+                attention_mask=attention_mask,
+                image_rotary_emb=image_rotary_emb,
+            )
+
+    new = MaskableFluxAttnProcessor()
+    new._attention_backend = getattr(old, "_attention_backend", None)
+    return new
+
+
+class FluxSequenceParallel(SequenceParallelSpec):
+    """FLUX under Ulysses SP: diffusers' ``_cp_plan``, its processor made maskable, text padded
+    with a key mask and zero position ids (as every T5 token has)."""
+
+    name = "flux"
+    transformer_class = "FluxTransformer2DModel"
+    zero_padded_kwargs = ("txt_ids",)
+
+    def attention_processor(self, module: nn.Module) -> Any:
+        return maskable_processor(module.processor)
 
 
 class FluxAdapter(DiffusionAdapter):
@@ -60,6 +112,8 @@ class FluxAdapter(DiffusionAdapter):
         "ff_context.net.0.proj",
         "ff_context.net.2",
     )
+    sequence_parallel = FluxSequenceParallel()
+    truncation_loggers = ("diffusers.pipelines.flux.pipeline_flux",)
 
     def __init__(self, pipe: Any, *, true_cfg_scale: float = 1.0, max_sequence_length: int = 512):
         super().__init__(pipe)
@@ -97,6 +151,11 @@ class FluxAdapter(DiffusionAdapter):
             max_sequence_length=self.max_sequence_length,
         )
         return PromptEmbeds(embeds, None, pooled)
+
+    @classmethod
+    def plans_cfg(cls, guidance_scale: float, options: dict[str, Any]) -> bool:
+        """FLUX.1-dev's guidance is distilled: a negative branch only for true CFG."""
+        return options.get("true_cfg_scale", 1.0) > 1
 
     @classmethod
     def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:

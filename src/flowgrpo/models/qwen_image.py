@@ -24,6 +24,16 @@ import numpy as np
 import torch
 
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule, param_dtype
+from flowgrpo.models.parallel import SequenceParallelSpec
+
+
+class QwenImageSequenceParallel(SequenceParallelSpec):
+    """Qwen-Image under Ulysses SP: diffusers' ``_cp_plan`` and processor; the transformer
+    honours its own text mask, which padding extends."""
+
+    name = "qwen_image"
+    transformer_class = "QwenImageTransformer2DModel"
+    text_mask_kwarg = "encoder_hidden_states_mask"
 
 
 class QwenImageAdapter(DiffusionAdapter):
@@ -54,6 +64,7 @@ class QwenImageAdapter(DiffusionAdapter):
         "txt_mlp.net.2",
     )
     batch_cfg = True
+    sequence_parallel = QwenImageSequenceParallel()
     #: what the Flow-GRPO Qwen-Image reference passes as negative prompt when none is given
     default_negative_prompt = " "
 
@@ -82,6 +93,11 @@ class QwenImageAdapter(DiffusionAdapter):
         """Unpacked latent height/width (even), as the pipeline rounds them."""
         f = self.pipe.vae_scale_factor
         return 2 * (int(height) // (f * 2)), 2 * (int(width) // (f * 2))
+
+    @classmethod
+    def prompt_tokens(cls, max_sequence_length: int | None) -> tuple[int, int]:
+        """Qwen2.5-VL hidden states: 512 tokens by default, 3584 wide."""
+        return max_sequence_length or 512, 3584
 
     @classmethod
     def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:

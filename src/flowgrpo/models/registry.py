@@ -27,6 +27,26 @@ SUPPORTED_PIPELINES: dict[str, str] = {
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
 BUILTIN_PIPELINES: dict[str, str] = {"toy-digits": "flowgrpo.toy.pipeline:shipped_dir"}
+#: the shipped presets (``flowgrpo/config/presets``) and the pipeline classes each is made for
+#: (``model_index.json``'s ``_class_name``; ``flowgrpo.config.validate`` checks model.path)
+PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
+    "toy-digits": ("ToyDigitsPipeline",),
+    "sd3-ocr": ("StableDiffusion3Pipeline",),
+    "qwen-image-ocr": ("QwenImagePipeline",),
+    "flux-pickscore": ("FluxPipeline",),
+    "wan-t2v-ocr": ("WanPipeline",),
+}
+#: the shipped presets, the real models they are written for (config sets in
+#: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
+#: docs/memory.md's table (``flowgrpo.config.memory.docs_table``)
+PRESET_MODELS: list[tuple[str, str, list[str]]] = [
+    ("qwen-image-ocr", "qwen-image", []),
+    ("flux-pickscore", "flux.1-dev", []),
+    ("sd3-ocr", "sd3.5-medium", []),
+    ("sd3-ocr", "sd3.5-large", []),
+    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
+    ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
+]
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -95,13 +115,40 @@ def import_adapter(path: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def adapter_options(pipeline_cls: type) -> set[str]:
-    """The keyword options the adapter of ``pipeline_cls`` takes (e.g. ``true_cfg_scale``)."""
+def _init_options(adapter_cls: type) -> set[str]:
     import inspect
 
-    init = import_adapter(resolve_adapter_path(pipeline_cls)).__init__
-    params = list(inspect.signature(init).parameters.values())[2:]  # self, pipe
+    params = list(inspect.signature(adapter_cls.__init__).parameters.values())[2:]  # self, pipe
     return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def adapter_options(pipeline_cls: type) -> set[str]:
+    """The keyword options the adapter of ``pipeline_cls`` takes (e.g. ``true_cfg_scale``):
+    its ``__init__`` keywords after the pipeline, each a ``model.*`` setting of the config."""
+    return _init_options(import_adapter(resolve_adapter_path(pipeline_cls)))
+
+
+def family_options() -> set[str]:
+    """Every option some registered adapter takes: the ``model.*`` settings that belong to a
+    family (the trainer passes those that are set, and refuses one the model does not take)."""
+    return set().union(*(_init_options(cls) for cls in adapter_classes()))
+
+
+def adapter_classes() -> list[Any]:
+    """Every registered adapter class, in ``SUPPORTED_PIPELINES`` order (imports them)."""
+    return [import_adapter(path) for path in dict.fromkeys(SUPPORTED_PIPELINES.values())]
+
+
+def sequence_parallel_of(transformer: Any) -> Any:
+    """The ``SequenceParallelSpec`` (models/parallel.py) a registered family declares for the
+    class of ``transformer`` (or a base class: FSDP's subclasses match), or None: then
+    diffusers' own ``_cp_plan`` and processors apply, with no padding."""
+    names = {cls.__name__ for cls in type(transformer).__mro__}
+    for adapter_cls in adapter_classes():
+        spec = getattr(adapter_cls, "sequence_parallel", None)
+        if spec is not None and spec.transformer_class in names:
+            return spec
+    return None
 
 
 def build_adapter(pipe: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule
+from flowgrpo.models.base import (
+    DiffusionAdapter,
+    PromptEmbeds,
+    Schedule,
+    SizeRule,
+    TokenCounts,
+    planner_vae,
+)
 from flowgrpo.models.wan_experts import WanExperts, compute_dtype
 
 
@@ -144,6 +151,21 @@ class WanAdapter(DiffusionAdapter):
         return compute_dtype(self.transformer)
 
     # -- sizes ------------------------------------------------------------------------------------
+    @classmethod
+    def token_counts(
+        cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
+    ) -> TokenCounts:
+        """Video tokens of (frames, h, w) patches over (F - 1)/4 + 1 latent frames (default F
+        81); the text is cross-attended (no text tokens in the sequence)."""
+        f, channels = planner_vae(configs.get("vae", {}))
+        patch = configs["transformer"]["patch_size"]
+        frames = options.get("num_frames") or 81
+        lat_f = (frames - 1) // 4 + 1
+        image = lat_f * (height // (f * patch[1])) * (width // (f * patch[2]))
+        latent = channels * lat_f * (height // f) * (width // f)
+        prompt = cls.prompt_tokens(options.get("max_sequence_length"))
+        return TokenCounts(image, 0, latent, prompt, frames)
+
     @classmethod
     def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
         """Sides multiples of lcm(16, VAE x patch); frames t·k + 1 (t: the VAE's temporal

@@ -22,11 +22,23 @@ import warnings
 
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor\. An in-place op"
 TRUNCATION_WARNING = "The following part of your input was truncated because"
-# the diffusers pipelines whose prompt encoders log TRUNCATION_WARNING
-TRUNCATION_LOGGERS = (
-    "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
-    "diffusers.pipelines.flux.pipeline_flux",
-)
+
+
+def truncation_loggers() -> tuple[str, ...]:
+    """The loggers of the pipelines whose prompt encoders log TRUNCATION_WARNING, as each
+    registered family declares them (``DiffusionAdapter.truncation_loggers``)."""
+    from flowgrpo.models.registry import adapter_classes
+
+    names = (n for cls in adapter_classes() for n in getattr(cls, "truncation_loggers", ()))
+    return tuple(dict.fromkeys(names))
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name == "TRUNCATION_LOGGERS":  # computed on first use: it imports the adapters
+        return truncation_loggers()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _BLANK_REMOVED = re.compile(r"tokens: \[(\s*'\s*'\s*,?)*\s*\]\s*$")  # e.g. "tokens: ['', '']"
 
 
@@ -47,7 +59,7 @@ def quiet_known_noise(is_main: bool) -> None:
     """Rank 0 keeps the loading bars, other ranks lose them; every rank drops the two
     known-harmless warnings (module docstring). Idempotent."""
     warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
-    for name in TRUNCATION_LOGGERS:
+    for name in truncation_loggers():
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)

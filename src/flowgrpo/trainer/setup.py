@@ -5,6 +5,7 @@ streams, and the per-sample random generators that make every step a pure functi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -53,10 +54,15 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     """The pipeline at ``model.path`` (a local diffusers directory or a built-in one) wrapped
     in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32);
     the trained transformer(s) on the meta device, for ``build_engine`` to load sharded.
-    ``model.true_cfg_scale`` / ``max_sequence_length`` / ``num_frames`` / ``guidance_scale_2``
-    go to adapters that take them (a clear error for one that does not)."""
+    The family options (``model.*`` settings some adapter takes, ``registry.family_options``)
+    that differ from their defaults go to the adapter; one it does not take is a clear error."""
     from flowgrpo.engine.load import move_components
-    from flowgrpo.models.registry import adapter_options, build_adapter, load_pipeline
+    from flowgrpo.models.registry import (
+        adapter_options,
+        build_adapter,
+        family_options,
+        load_pipeline,
+    )
     from flowgrpo.settings import resolve_dtype
 
     m = cfg.model
@@ -67,11 +73,12 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     pipe = load_pipeline(m.path, torch_dtype=dtype, empty_trained=True)
     if dist.device.type != "cpu":
         move_components(pipe, dist.device)
-    options = {"true_cfg_scale": m.true_cfg_scale, "max_sequence_length": m.max_sequence_length}
-    options = {k: v for k, v in options.items() if v not in (None, 1.0)}
-    options.update(
-        {k: v for k in ("num_frames", "guidance_scale_2") if (v := getattr(m, k)) is not None}
-    )
+    family, defaults = family_options(), type(m)()
+    options = {
+        f.name: getattr(m, f.name)
+        for f in dataclasses.fields(m)
+        if f.name in family and getattr(m, f.name) != getattr(defaults, f.name)
+    }
     takes = adapter_options(type(pipe))
     for key in options:
         if key not in takes:
