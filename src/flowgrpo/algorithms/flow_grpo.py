@@ -59,6 +59,7 @@ class FlowGRPO(Algorithm):
     """The default algorithm."""
 
     name = "flow_grpo"
+    settings_class = FlowGRPOConfig
 
     @classmethod
     def check_config(cls, cfg) -> None:
