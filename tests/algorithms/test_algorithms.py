@@ -88,7 +88,7 @@ def test_mix_grpo_window_follows_its_schedule(dist1):
 
 
 def test_nft_constant_reward_gives_no_gradient_at_the_old_policy(dist1):
-    """At theta = old the NFT gradient is (2r - 1) c grad(flow matching) (docs/algorithms.md):
+    """At theta = old the NFT gradient is (2r - 1) c grad(flow matching) (docs/math.md):
     constant rewards (A = 0, r = 1/2) give exactly none; the issue's "equals plain flow
     matching's" holds at r = 1, not at constant reward (tests/algorithms/test_nft.py checks both)."""
     out = ar.run("nft", "toy", "full", **{"nft.kl_beta": 0.0}, advantages=torch.zeros(4))

@@ -4,7 +4,7 @@ Flow-GRPO's importance ratio drifts below 1 in expectation (its log-prob mean ov
 shifts with the step's noise scale), so clipping stops guarding against over-optimization. The
 authors' fix: normalise the log ratio with the step's own mean shift and scale, and divide each
 step's loss by |dt| so every step weighs alike. The rollout records each trained step's
-Gaussian mean (the old policy's); the rest is Flow-GRPO's loop. docs/algorithms.md states the
+Gaussian mean (the old policy's); the rest is Flow-GRPO's loop. docs/math.md states the
 math.
 
 Transcribed from the authors' code, which lives in the flow_grpo repository: commit 2e2f712

@@ -5,7 +5,7 @@ The rollout of training step s is Euler (ODE) before the window, SDE inside it, 
 it, or with ``flash`` (MixGRPO-Flash) DPM-Solver++ 2M (``flowgrpo.algo.dpm_solver``) on a
 compressed grid after it, with the history of x̂0 = x − σ·v carried over from the window's
 steps. The window is ``sde_window_at(s)``: it moves by ``stride`` every ``shift_interval`` steps
-and rolls back to the start. The loss is Flow-GRPO's on the window's steps. docs/algorithms.md
+and rolls back to the start. The loss is Flow-GRPO's on the window's steps. docs/math.md
 states the math.
 
 Transcribed from the authors' code, Tencent-Hunyuan/MixGRPO @ e5cdd6a (last functional commit

@@ -6,7 +6,7 @@ keeps only the clean samples x0; no log-probs, no SDE. Rewards become an optimal
 per sample (from the group advantage). Training re-noises x0 at the rollout's sigmas with fresh
 noise and contrasts the implicit positive and negative policies around the old one
 (``nft_loss``); after each update the old policy moves toward the current one with the
-authors' decay schedule. docs/algorithms.md states the math.
+authors' decay schedule. docs/math.md states the math.
 
 Transcribed from the authors' code, NVlabs/DiffusionNFT @ 24af555, ``scripts/train_nft_sd3.py``
 (line numbers below are that file's):
