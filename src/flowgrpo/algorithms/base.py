@@ -5,10 +5,10 @@ in the registry (``flowgrpo.algorithms``): its settings (``settings_class``, the
 of its name) and the rules it needs of the whole config (``check_config``), what its rollout
 records (``rollout_plan``), which weights sample it (``rollout_weights``), its advantages from
 the rewards' scores (``advantages``), its math, its loss on a micro-batch and its update over a
-rollout (``update``). It drives the engine's primitives
-(``plan``, ``backward``, ``optimizer_step``, ``reference_transformer``, ``shadow``) and never
-touches FSDP; adapters know nothing of it. The trainer's step reads: sample -> reward (scores)
--> ``algorithm.advantages`` -> ``algorithm.update``.
+rollout (``update``). It drives the engine's primitives (``plan``, ``backward``,
+``optimizer_step``, ``reference_transformer``, ``shadow``) and never touches FSDP; adapters know
+nothing of it. The trainer's step reads: sample -> reward (scores) -> ``algorithm.advantages``
+-> ``algorithm.update``.
 """
 
 from __future__ import annotations

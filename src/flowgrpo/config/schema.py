@@ -5,8 +5,8 @@ and ``flowgrpo config show`` print it) and its range check live together; rules 
 fields together are the section's ``check()``. The engine's sections (``lora``, ``optim``,
 ``fsdp``, ``ema``) are declared in ``flowgrpo.engine.config`` and read by the engine from this
 config directly; the algorithms' (``update``, and one section per registered algorithm, named
-as it, added by ``_with_algorithm_sections``) in ``flowgrpo.algorithms``. Parsing is ``loader.py``; checks that need the disk
-are ``validate.py``.
+as it, added by ``_with_algorithm_sections``) in ``flowgrpo.algorithms``. Parsing is
+``loader.py``; checks that need the disk are ``validate.py``.
 """
 
 from __future__ import annotations
