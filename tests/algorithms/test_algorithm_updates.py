@@ -168,7 +168,8 @@ def test_mix_grpo_flash_grid_dpm_tail_and_x0_hand_off(dist1):
     of the adapter's grid, then 5 points to 0); the final latents equal the window's last latent
     carried through the tail by hand with DPM-Solver++ 2M, whose first step takes the last SDE
     step's x0 = x - sigma v as its history (without it the result differs)."""
-    from flowgrpo.algo.mix_grpo import dpm_solver_2m_step, flash_schedule
+    from flowgrpo.algo.dpm_solver import dpm_solver_2m_step
+    from flowgrpo.algorithms.mix_grpo import flash_schedule
 
     over = {"mix_grpo.flash": True, "mix_grpo.window_size": 4, "mix_grpo.compress_ratio": 0.8,
             "sample.num_steps": 10, "mix_grpo.kl_beta": 0.0}  # fmt: skip
@@ -228,7 +229,8 @@ def test_flash_schedule_on_the_grids_the_adapters_produce(kind):
     authors' 3) and on the fixed-shift grid: the head is the grid itself, the tail starts at
     sigma_{L+1} exactly, falls strictly to 0, and has n = max(int((N - L) 0.4), 2) points that
     lie on the shift-3 curve through sigma_{L+1}."""
-    from flowgrpo.algo.mix_grpo import flash_schedule, time_shift_grid
+    from flowgrpo.algo.time_shift import time_shift_grid
+    from flowgrpo.algorithms.mix_grpo import flash_schedule
     from flowgrpo.models import build_adapter
 
     adapter = build_adapter(ar.pipeline(kind), **ar.frames_option(kind))
@@ -272,7 +274,7 @@ def test_nft_old_policy_after_update_is_the_decayed_blend_and_samples_the_next_r
     """After update(): old = d old + (1 - d) theta (d from the authors' schedule at the number of
     optimizer steps taken); the next rollout samples with exactly those weights, and v_old in the
     loss is theirs (old_deviate = mean (v_theta - v_old)^2 recomputed by hand)."""
-    from flowgrpo.algo.nft import old_policy_decay
+    from flowgrpo.algorithms.nft import old_policy_decay
 
     over = {"nft.kl_beta": 0.0, "nft.old_policy_schedule": 1, "update.num_minibatches": 2}
     cfg, adapter, engine, algo = _setup("nft", **over)
@@ -315,7 +317,7 @@ def test_nft_old_policy_after_update_is_the_decayed_blend_and_samples_the_next_r
     level = torch.zeros(2, dtype=torch.long)
     sd = torch.as_tensor(seeds[:2])
     x0, sigma = sub.final_latents, sub.sigmas[:, 0]
-    from flowgrpo.algo.nft import forward_noising
+    from flowgrpo.algorithms.nft import forward_noising
 
     x_t = forward_noising(x0, algo.noise(sd, 0, x0), sigma)
     with torch.no_grad():

@@ -63,7 +63,7 @@ def test_grpo_guard_normalised_ratio_is_one_before_the_first_update(dist1):
 
 def test_mix_grpo_window_follows_its_schedule(dist1):
     """The rollout of step s trains exactly the steps of sde_window_at(s - 1)."""
-    from flowgrpo.algo.mix_grpo import sde_window_at
+    from flowgrpo.algorithms.mix_grpo import sde_window_at
     from flowgrpo.models import build_adapter
     from flowgrpo.trainer.setup import build_engine
 
@@ -88,9 +88,9 @@ def test_mix_grpo_window_follows_its_schedule(dist1):
 
 
 def test_nft_constant_reward_gives_no_gradient_at_the_old_policy(dist1):
-    """At theta = old the NFT gradient is (2r - 1) c grad(flow matching) (docs/algorithms.md):
+    """At theta = old the NFT gradient is (2r - 1) c grad(flow matching) (docs/math.md):
     constant rewards (A = 0, r = 1/2) give exactly none; the issue's "equals plain flow
-    matching's" holds at r = 1, not at constant reward (tests/algo/test_nft.py checks both)."""
+    matching's" holds at r = 1, not at constant reward (tests/algorithms/test_nft.py checks both)."""
     out = ar.run("nft", "toy", "full", **{"nft.kl_beta": 0.0}, advantages=torch.zeros(4))
     assert out["metrics"]["grad_norm"] == 0.0
     moving = ar.run("nft", "toy", "full", **{"nft.kl_beta": 0.0})

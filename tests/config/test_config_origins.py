@@ -34,7 +34,7 @@ def test_config_show_marks_preset_values_with_their_citation(capsys):
     assert line_of(text, "true_cfg_scale:") == "  true_cfg_scale: 1.0"  # the default
     # a continued comment is one note; a commented section's note covers its keys
     assert line_of(text, "deterministic_last_step:").endswith(
-        "the (untrained) last step; we keep it deterministic: see docs/flow_grpo_math.md"
+        "the (untrained) last step; we keep it deterministic: see docs/math.md"
     )
     assert "flow_grpo @ 2e2f712 config/grpo_guard.py" in line_of(text, "grpo_guard:")
     assert line_of(text, "bias_reduce:").endswith("# preset sd3-ocr: see grpo_guard")

@@ -342,7 +342,7 @@ def test_bf16_weights_stay_exactly_on_policy(kind, tmp_path):
     for name in ("latents", "log_probs", "final_latents", "sigmas"):
         assert getattr(traj, name).dtype == torch.float32, name
     # every split, Wan2.2 experts running sub-batches included: measured exactly 0 on this CPU
-    # (bf16 kernels batch-size invariant here; GPUs may differ, docs/flow_grpo_math.md)
+    # (bf16 kernels batch-size invariant here; GPUs may differ, docs/math.md)
     for split in SPLITS:
         assert float(_log_ratios(adapter, traj, split).max()) == 0.0, split
 

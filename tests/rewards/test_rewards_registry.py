@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from flowgrpo.algo.advantages import combine_rewards
 from flowgrpo.rewards import (
     AsyncRewardScorer,
     MultiReward,
@@ -155,14 +156,17 @@ def test_combination_hand_computed():
     images, prompts, meta = _batch(b=4)
     rewards = m(images, prompts, meta)
     groups = ["x", "x", "y", "y"]
+    weights = m.weights_of(rewards)  # the algorithm forms advantages from scores and weights
+    assert weights == {"a": 1.0, "b": 2.0}
+    assert m.weights_of(["b", "not_a_reward"]) == {"b": 2.0}  # only what a reward gives
     # weighted sum: r = a + 2b = [1, 4, 5, 6]; group means 2.5, 5.5; global std sqrt(3.5)
-    ws = m.combine(rewards, groups, mode="weighted_sum")
+    ws = combine_rewards(rewards, weights, groups, mode="weighted_sum")
     torch.testing.assert_close(ws.reward, torch.tensor([1.0, 4.0, 5.0, 6.0]))
     expected = torch.tensor([-1.5, 1.5, -0.5, 0.5]) / (3.5**0.5 + 1e-4)
     torch.testing.assert_close(ws.advantages, expected)
     # advantage aggregation: A_a = [-.5, .5, -.5, .5] / (sqrt(1.25) + eps),
     # A_b = [-.5, .5, 0, 0] / (sqrt(0.1875) + eps); A = A_a + 2 A_b
-    adv = m.combine(rewards, groups, mode="advantage")
+    adv = combine_rewards(rewards, weights, groups, mode="advantage")
     exp_a = torch.tensor([-0.5, 0.5, -0.5, 0.5]) / (1.25**0.5 + 1e-4)
     exp_b = torch.tensor([-0.5, 0.5, 0.0, 0.0]) / (0.1875**0.5 + 1e-4)
     torch.testing.assert_close(adv.advantages, exp_a + 2 * exp_b)

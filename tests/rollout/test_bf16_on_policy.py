@@ -5,7 +5,7 @@ too), trajectories stay fp32: the recomputed log-prob at the rollout's weights m
 rollout's exactly (|log r| = 0) with the rollout's batch split, for every family, guidance on,
 SDE and CPS. Before the fix (bf16-stored latents, the unconditional branch run apart), the
 same rollouts gave |log r| = 3.7e-4 - 7.2e-4, beyond the 1e-4 clip range before any update. A different micro-batch split changes bf16 GEMM rounding:
-that figure is measured and bounded (docs/flow_grpo_math.md states it). The same checks of the
+that figure is measured and bounded (docs/math.md states it). The same checks of the
 engine itself (FSDP2 mixed precision): tests/engine/test_engine_bf16.py.
 """
 
@@ -86,7 +86,7 @@ def test_bf16_training_pass_is_exactly_on_policy(adapter, sde_type):
     # another split: on this CPU bf16 kernels are batch-size invariant, so sd3, flux and the toy
     # stay exact; Qwen-Image re-pads a micro-batch's text to its own longest prompt and the
     # attention kernel rounds differently for another key length: measured max 2.3e-4 (sde),
-    # 8.1e-5 (cps). GPUs' GEMMs also depend on the batch shape (docs/flow_grpo_math.md).
+    # 8.1e-5 (cps). GPUs' GEMMs also depend on the batch shape (docs/math.md).
     worst = max(float(_log_ratios(adapter, traj, s).max()) for s in ([[0], [1, 2]], [[0, 1], [2]]))
     if kind != "qwen_image":
         assert worst == 0.0, worst

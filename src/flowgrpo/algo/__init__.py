@@ -1,6 +1,7 @@
-"""Pure tensor math of the RL algorithms (imports torch only): Flow-GRPO's SDE steps with
-log-probs, advantages and losses; MixGRPO's window and ODE solver; GRPO-Guard's normalised
-ratio; DiffusionNFT's forward-process loss."""
+"""The math the algorithms share (imports torch only): Flow-GRPO's SDE steps with log-probs,
+group-relative advantages, the clipped policy loss and KL, and the sampler's ODE math (the
+DPM-Solver++ 2M step, the fixed-shift sigma grid). Each algorithm's own math lives in its file
+under ``flowgrpo.algorithms``."""
 
 from flowgrpo.algo.advantages import (
     CombinedRewards,
@@ -9,22 +10,10 @@ from flowgrpo.algo.advantages import (
     reward_stats,
     zero_std_ratio,
 )
-from flowgrpo.algo.grpo_guard import grpo_guard_loss, normalized_log_ratio
+from flowgrpo.algo.dpm_solver import DPMSolverStep, dpm_solver_2m_step
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
-from flowgrpo.algo.mix_grpo import (
-    DPMSolverStep,
-    dpm_solver_2m_step,
-    flash_schedule,
-    sde_window_at,
-)
-from flowgrpo.algo.nft import (
-    forward_noising,
-    nft_loss,
-    old_policy_decay,
-    optimality_probability,
-    update_old_policy_,
-)
 from flowgrpo.algo.sde import SDE_TYPES, SDEStepOutput, sde_step_with_logprob
+from flowgrpo.algo.time_shift import time_shift_grid
 
 __all__ = [
     "SDE_TYPES",
@@ -33,19 +22,11 @@ __all__ = [
     "SDEStepOutput",
     "combine_rewards",
     "dpm_solver_2m_step",
-    "flash_schedule",
     "flow_grpo_loss",
-    "forward_noising",
     "group_advantages",
-    "grpo_guard_loss",
     "kl_penalty_image",
-    "nft_loss",
-    "normalized_log_ratio",
-    "old_policy_decay",
-    "optimality_probability",
     "reward_stats",
     "sde_step_with_logprob",
-    "sde_window_at",
-    "update_old_policy_",
+    "time_shift_grid",
     "zero_std_ratio",
 ]

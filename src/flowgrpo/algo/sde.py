@@ -3,7 +3,7 @@
 Time runs from sigma = 1 (noise) to sigma = 0 (data); ``dt = sigma_next - sigma < 0``.
 All math is in fp32 whatever the input dtype (bf16 overflows in the variance terms); fp64
 inputs are computed in fp64 (tests use it to compare formulations without fp32 rounding).
-See docs/flow_grpo_math.md for the formulas; the symbols below follow it.
+See docs/math.md for the formulas; the symbols below follow it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """RL algorithms on one engine: ``algorithm=<name>`` picks one, its settings are the config
-section of the same name. Adding an algorithm = one module + one line here."""
+section of the same name (its ``settings_class``). Adding an algorithm = one module + one line
+here; nothing else in the package names an algorithm (tests/package/test_algorithm_names.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ ALGORITHMS: dict[str, str] = {
     "grpo_guard": "flowgrpo.algorithms.grpo_guard:GRPOGuard",
     "nft": "flowgrpo.algorithms.nft:DiffusionNFT",
 }
+#: what ``algorithm`` is unless a preset or an override says otherwise
+DEFAULT_ALGORITHM = "flow_grpo"
 
 
 def algorithm_class(name: str) -> Any:
@@ -23,4 +26,9 @@ def algorithm_class(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["ALGORITHMS", "algorithm_class"]
+def algorithm_settings() -> dict[str, type]:
+    """name -> the dataclass of its settings (the config section ``name``), in registry order."""
+    return {name: algorithm_class(name).settings_class for name in ALGORITHMS}
+
+
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "algorithm_class", "algorithm_settings"]

@@ -1,24 +1,28 @@
 """What every RL algorithm provides, and the update loop they share.
 
-An algorithm is one module (``flow_grpo``, ``mix_grpo``, ``grpo_guard``, ``nft``): what its
-rollout records (``rollout_plan``), which weights sample it (``rollout_weights``), its loss on a
-micro-batch and its update over a rollout (``update``). It drives the engine's primitives
-(``plan``, ``backward``, ``optimizer_step``, ``reference_transformer``, ``shadow``) and never
-touches FSDP; adapters know nothing of it. The trainer's step reads: sample -> reward ->
-advantages -> ``algorithm.update``.
+An algorithm is one module (``flow_grpo``, ``mix_grpo``, ``grpo_guard``, ``nft``) and one line
+in the registry (``flowgrpo.algorithms``): its settings (``settings_class``, the config section
+of its name) and the rules it needs of the whole config (``check_config``), what its rollout
+records (``rollout_plan``), which weights sample it (``rollout_weights``), its advantages from
+the rewards' scores (``advantages``), its math, its loss on a micro-batch and its update over a
+rollout (``update``). It drives the engine's primitives (``plan``, ``backward``,
+``optimizer_step``, ``reference_transformer``, ``shadow``) and never touches FSDP; adapters know
+nothing of it. The trainer's step reads: sample -> reward (scores) -> ``algorithm.advantages``
+-> ``algorithm.update``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 
-from flowgrpo.algo.mix_grpo import time_shift_grid
+from flowgrpo.algo.advantages import CombinedRewards, combine_rewards
+from flowgrpo.algo.time_shift import time_shift_grid
 from flowgrpo.rollout import SDEWindow, Trajectory
 from flowgrpo.settings import ge, setting
 
@@ -67,6 +71,11 @@ class Algorithm(ABC):
 
     #: the name in ``algorithm=<name>`` and the config section holding its settings
     name: ClassVar[str]
+    #: the dataclass of its settings (the config section ``name``)
+    settings_class: ClassVar[type]
+    #: the engine shadows (fp32 copies of the trained parameters) it keeps besides the EMA,
+    #: by name: the memory planner counts them
+    shadows: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Any, engine: Any, adapter: Any) -> None:
         self.cfg, self.engine, self.adapter = cfg, engine, adapter
@@ -88,6 +97,18 @@ class Algorithm(ABC):
     def eval_guidance_scale(cls, cfg: Any) -> float:
         """The eval guidance when ``sample.eval_guidance_scale`` is null: the rollouts'."""
         return cfg.sample.guidance_scale
+
+    def advantages(
+        self,
+        rewards: Mapping[str, torch.Tensor],
+        weights: Mapping[str, float],
+        group_ids: Sequence[Hashable] | torch.Tensor,
+    ) -> CombinedRewards:
+        """The global batch's scores {name: [N]} and their ``weights`` -> the weighted reward
+        and the advantages [N] the update trains on: group-relative, combined as
+        ``advantage.mode`` says, std per ``advantage.global_std`` (``combine_rewards``)."""
+        a = self.cfg.advantage
+        return combine_rewards(rewards, weights, group_ids, mode=a.mode, global_std=a.global_std)
 
     def rollout_plan(self, step: int) -> RolloutPlan:
         """The training rollout of ``step`` (1-based): the sample section as it is (on the

@@ -5,7 +5,7 @@ Per micro-batch and trained step k: recompute log p_theta(x_{k+1} | x_k) through
 own ``policy_step`` (the guidance gradient through both branches unless ``cfg_grad`` says
 ``cond_only``), the ratio to the rollout's log-prob, the clipped surrogate, plus
 kl_beta * KL(mean_theta, mean_ref). Samples whose advantage is exactly 0 are dropped first
-(``skip_zero_advantage``), as flow_grpo does. docs/flow_grpo_math.md states the math.
+(``skip_zero_advantage``), as flow_grpo does. docs/math.md states the math.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class FlowGRPO(Algorithm):
     """The default algorithm."""
 
     name = "flow_grpo"
+    settings_class = FlowGRPOConfig
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -2,10 +2,18 @@
 SDE window slides over the denoising steps as training goes, only the window trained.
 
 The rollout of training step s is Euler (ODE) before the window, SDE inside it, and Euler after
-it, or with ``flash`` (MixGRPO-Flash) DPM-Solver++ 2M on a compressed grid after it. The window
-is ``sde_window_at(s)``: it moves by ``stride`` every ``shift_interval`` steps and rolls back to
-the start. The loss is Flow-GRPO's on the window's steps. The math:
-``flowgrpo.algo.mix_grpo``; docs/algorithms.md.
+it, or with ``flash`` (MixGRPO-Flash) DPM-Solver++ 2M (``flowgrpo.algo.dpm_solver``) on a
+compressed grid after it, with the history of x̂0 = x − σ·v carried over from the window's
+steps. The window is ``sde_window_at(s)``: it moves by ``stride`` every ``shift_interval`` steps
+and rolls back to the start. The loss is Flow-GRPO's on the window's steps. docs/math.md
+states the math.
+
+Transcribed from the authors' code, Tencent-Hunyuan/MixGRPO @ e5cdd6a (last functional commit
+33d8f56): ``fastvideo/utils/grpo_states.py`` (the window), ``fastvideo/utils/sampling_utils.py``
+(the sampler) and ``fastvideo/train_grpo_flux.py``. Sampling with N steps on the grid
+sigma_0 = 1 > ... > sigma_N = 0 and window [start, end): steps i < start are Euler (x + dt·v),
+steps start <= i < end are Flow-GRPO SDE steps (the only trained ones), steps after the window
+are Euler (MixGRPO) or, for MixGRPO-Flash, DPM-Solver++ 2M on ``flash_schedule``'s grid.
 """
 
 from __future__ import annotations
@@ -15,11 +23,104 @@ from typing import Any
 
 import torch
 
-from flowgrpo.algo.mix_grpo import flash_schedule, sde_window_at
 from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from flowgrpo.rollout import SDEWindow
 from flowgrpo.settings import ConfigError, ge, gt, need, setting
+
+# -- the math: the sliding window and Flash's compressed grid ----------------------------------
+
+
+def sde_window_at(
+    train_step: int,
+    *,
+    num_steps: int,
+    window_size: int,
+    shift_interval: int,
+    stride: int = 1,
+    roll_back: bool = True,
+) -> tuple[int, int]:
+    """The SDE window [start, end) of step indices used by the rollout of ``train_step`` (0-based).
+
+    The authors' ``GRPOTrainingStates`` with sample_strategy="progressive", prog_overlap=True
+    (grpo_states.py:85-148; train_grpo_flux.py:915-947), in closed form. Let M = num_steps − 2
+    (``max_timesteps``: the last step, into sigma = 0, and index M itself are never trained):
+    the start moves by ``stride`` (``prog_overlap_step``) every ``shift_interval``
+    (``iters_per_group``) training steps; once it would pass M it rolls back to 0
+    (``roll_back=True``, as all scripts set) or stays at M (``roll_back=False``). The window is
+    range(start, min(start + window_size, M)): it shrinks near the end and is EMPTY (start ==
+    end == M) for ``shift_interval`` steps when start == M, during which the authors' loop
+    still takes optimizer steps with no policy gradient. With prog_overlap=False the authors
+    move by window_size: pass stride=window_size.
+
+    Defaults (scripts/finetune/*.sh, FLUX, num_steps 25, window 4): MixGRPO shift_interval 25,
+    stride 1; MixGRPO-Flash 20, 1; MixGRPO-Flash* 20, 0 (window frozen at [0, 4)).
+    """
+    if num_steps < 3:
+        raise ValueError(
+            f"num_steps must be >= 3 (the window ends before step N-2), got {num_steps}"
+        )
+    if window_size < 1 or shift_interval < 1 or stride < 0 or train_step < 0:
+        raise ValueError(
+            "need window_size >= 1, shift_interval >= 1, stride >= 0 and train_step >= 0, got "
+            f"{window_size}, {shift_interval}, {stride}, {train_step}"
+        )
+    last = num_steps - 2  # the authors' max_timesteps
+    moves = train_step // shift_interval
+    if stride == 0:
+        start = 0
+    elif roll_back:
+        positions = last // stride + 1  # starts 0, stride, ..., <= last; then back to 0
+        start = stride * (moves % positions)
+    else:
+        start = min(stride * moves, last)
+    return start, min(start + window_size, last)
+
+
+def flash_schedule(
+    sigmas: torch.Tensor,
+    window_end: int,
+    *,
+    compress_ratio: float,
+    shift: float,
+) -> torch.Tensor:
+    """MixGRPO-Flash's grid: sigmas[:window_end + 1] then a compressed post-window tail to 0.
+
+    sigmas: the N + 1 sigmas of the rollout (1 ... 0); window_end: the SDE window's exclusive
+    end (``sde_window_at(...)[1]``, >= 1). With L = window_end − 1 (the authors'
+    ``last_false_index``) and n = int(max((N − L)·compress_ratio, 1)), the tail is
+    shift(linspace(t_L+1, 0, n)), with shift(t) = s·t / (1 + (s − 1)·t) and t_L+1 the
+    unshifted time of sigma_L+1 (sampling_utils.py:29-54): n − 1 DPM-Solver steps after the
+    window instead of N − 1 − L. Returns [L + n + 1] fp64 sigmas (the tail's first entry is
+    sigma_L+1 exactly).
+
+    The authors take t_L+1 = linspace(1, 0, N + 1)[L + 1], i.e. they assume the grid is
+    shift(linspace(1, 0, N + 1)) (their FLUX grid); here t_L+1 = shift⁻¹(sigma_L+1), which is
+    the same on that grid and stays continuous on any shifted grid. A late window with a small
+    ratio leaves n = 1 (e.g. the window ending at 7 of 10 at ratio 0.4): the authors' tail would
+    then be the single point sigma_L+1 and their image would keep that noise; here the tail is
+    then [sigma_L+1, 0], one (first-order, i.e. Euler) step to 0. An empty window (their code
+    crashes on it) has no Flash tail: sample it with Euler.
+    Defaults: compress_ratio 0.4 (MixGRPO-Flash), 0.2 (Flash*), shift 3 (FLUX, 25 steps).
+    """
+    sig = torch.as_tensor(sigmas, dtype=torch.float64).reshape(-1)
+    n_steps = sig.numel() - 1
+    if not 1 <= window_end <= n_steps - 1:
+        raise ValueError(f"window_end must be in [1, {n_steps - 1}], got {window_end}")
+    if compress_ratio <= 0 or shift <= 0:
+        raise ValueError(f"compress_ratio and shift must be > 0, got {compress_ratio}, {shift}")
+    last = window_end - 1
+    n_post = int(max((n_steps - last) * compress_ratio, 1))  # sampling_utils.py:44
+    n_post = max(n_post, 2)  # one point would stop at sigma_L+1 > 0: one step to 0 instead
+    s_start = float(sig[last + 1])
+    t_start = s_start / (shift - (shift - 1) * s_start)  # inverse of the shift
+    t_post = torch.linspace(t_start, 0.0, n_post, dtype=torch.float64)
+    post = shift * t_post / (1 + (shift - 1) * t_post)
+    post[0] = s_start
+    return torch.cat([sig[: last + 1], post])
+
+
+# -- the algorithm ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -90,6 +191,7 @@ def check_schedule(cfg: Any) -> None:
 
 class MixGRPO(FlowGRPO):
     name = "mix_grpo"
+    settings_class = MixGRPOConfig
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
@@ -140,4 +242,4 @@ class MixGRPO(FlowGRPO):
         return plan
 
 
-__all__ = ["MixGRPO", "MixGRPOConfig"]
+__all__ = ["MixGRPO", "MixGRPOConfig", "flash_schedule", "sde_window_at"]

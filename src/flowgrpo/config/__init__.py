@@ -2,7 +2,6 @@
 overrides (``loader``), the checks that need the disk (``validate``)."""
 
 from flowgrpo.algorithms.base import UpdateConfig
-from flowgrpo.algorithms.flow_grpo import FlowGRPOConfig
 from flowgrpo.config.loader import (
     config_from_dict,
     config_to_dict,
@@ -35,7 +34,6 @@ __all__ = [
     "EMAConfig",
     "FSDPConfig",
     "LoraConfig",
-    "FlowGRPOConfig",
     "ModelConfig",
     "OptimConfig",
     "RewardSpec",

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from flowgrpo.algorithms import DEFAULT_ALGORITHM
 from flowgrpo.config.loader import REWARD_LISTS, config_to_dict, config_to_yaml
 from flowgrpo.config.schema import Config
 from flowgrpo.rewards.spec import RewardSpec
@@ -231,7 +232,7 @@ def value_origins(preset: str | None, overrides: list[str]) -> tuple[list[str], 
         note = notes.get(key)
         if note or not is_section:  # a section line is marked only when it has a note
             origins[key] = f"preset {label}" + (f": {note}" if note else "")
-    chosen = _chosen_algorithm(overrides) or data.get("algorithm", "flow_grpo")
+    chosen = _chosen_algorithm(overrides) or data.get("algorithm", DEFAULT_ALGORITHM)
     for key, is_section in sorted(_flat_keys(overlays.get(chosen) or {}).items()):
         if not is_section:  # the preset's value for the chosen algorithm, with its citation
             note = notes.get(f"{OVERLAYS}.{chosen}.{key}") or notes.get(f"{OVERLAYS}.{chosen}")

@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import yaml
 
-from flowgrpo.algorithms import ALGORITHMS, algorithm_class
+from flowgrpo.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, algorithm_class
 from flowgrpo.config.schema import Config
 from flowgrpo.config.validate import validate
 from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
@@ -442,7 +442,7 @@ def resolve_defaults(cfg: Config) -> Config:
     ``update.num_minibatches``; ``{preset}`` in ``run.output_dir`` -> the preset name."""
     if cfg.sample.eval_guidance_scale is None:
         known = cfg.algorithm in ALGORITHMS  # else validation names the unknown algorithm
-        algo = algorithm_class(cfg.algorithm if known else "flow_grpo")
+        algo = algorithm_class(cfg.algorithm if known else DEFAULT_ALGORITHM)
         cfg.sample.eval_guidance_scale = algo.eval_guidance_scale(cfg)
     if cfg.fsdp.param_dtype == "auto" and cfg.model.dtype != "auto":
         cfg.fsdp.param_dtype = cfg.model.dtype

@@ -270,7 +270,7 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     parts["grads"] = state * n_train * 4 / shard
     parts["optimizer"] = state * n_train * 8 / shard
     parts["reference"] = state * (n_params * cbytes / shard if reference and not lora else 0)
-    shadows = int(cfg.ema.enabled) + int(cfg.algorithm == "nft")
+    shadows = int(cfg.ema.enabled) + len(algorithm_class(cfg.algorithm).shadows)
     parts["EMA"] = state * shadows * n_train * 4 / shard
     # unsharded while a block runs: its params and the next one's (prefetch) in the compute
     # dtype, and in backward a block's unsharded fp32 grads before the reduce-scatter

@@ -4,9 +4,9 @@ Every field is a ``flowgrpo.settings.setting``: its default, its one-line help (
 and ``flowgrpo config show`` print it) and its range check live together; rules that tie
 fields together are the section's ``check()``. The engine's sections (``lora``, ``optim``,
 ``fsdp``, ``ema``) are declared in ``flowgrpo.engine.config`` and read by the engine from this
-config directly; the algorithms' (``update`` and one section per algorithm) in
-``flowgrpo.algorithms``. Parsing is ``loader.py``; checks that need the disk
-are ``validate.py``.
+config directly; the algorithms' (``update``, and one section per registered algorithm, named
+as it, added by ``_with_algorithm_sections``) in ``flowgrpo.algorithms``. Parsing is
+``loader.py``; checks that need the disk are ``validate.py``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
-from flowgrpo.algorithms import ALGORITHMS, algorithm_class
+from flowgrpo.algorithms import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    algorithm_class,
+    algorithm_settings,
+)
 from flowgrpo.algorithms.base import UpdateConfig
-from flowgrpo.algorithms.flow_grpo import FlowGRPOConfig
-from flowgrpo.algorithms.grpo_guard import GRPOGuardConfig
-from flowgrpo.algorithms.mix_grpo import MixGRPOConfig
-from flowgrpo.algorithms.nft import NFTConfig
 from flowgrpo.engine.config import DTYPES, EMAConfig, FSDPConfig, LoraConfig, OptimConfig
 from flowgrpo.models.prompt_cache import TEXT_ENCODER_OFFLOAD
 from flowgrpo.rewards.spec import RewardSpec, check_labels
@@ -130,8 +131,8 @@ class SampleConfig:
     )
     eval_guidance_scale: float | None = setting(
         None,
-        "CFG scale of eval; null = `guidance_scale` (algorithm=nft: `nft.guidance_scale`, the "
-        "guidance-free policy it trains).",
+        "CFG scale of eval; null = `guidance_scale`, or the algorithm's own (DiffusionNFT: "
+        "its section's `guidance_scale`, the guidance-free policy it trains).",
         check=optional(ge(0)),
     )
     noise_level: float = setting(
@@ -180,7 +181,7 @@ class SampleConfig:
         "Every sample of a group starts training rollouts from the same initial noise (drawn "
         "from the group's seed): the group shares its ODE path up to its first SDE step, so "
         "its reward differences come from the SDE noise alone (MixGRPO's --init_same_noise, "
-        "flow_grpo's sample.same_latent).",
+        "Flow-GRPO's sample.same_latent).",
     )
     time_shift: float | None = setting(
         None,
@@ -346,7 +347,28 @@ def _default_rewards() -> list[RewardSpec]:
     return [RewardSpec()]
 
 
+_ALGORITHM_NAMES = ", ".join(f"`{n}`" for n in list(ALGORITHMS)[:-1]) + (
+    f" or `{list(ALGORITHMS)[-1]}`"
+)
+
+
+def _with_algorithm_sections(cls: type) -> type:
+    """Give ``cls`` one section per registered algorithm, named as it, holding its settings
+    class (``flowgrpo.algorithms.algorithm_settings``), right after the ``update`` section: the
+    schema names no algorithm, and a new one gets its section from its registry line."""
+    annotations: dict[str, object] = {}
+    for key, hint in cls.__annotations__.items():
+        annotations[key] = hint
+        if key == "update":
+            for name, settings in algorithm_settings().items():
+                annotations[name] = settings
+                setattr(cls, name, field(default_factory=settings))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
+@_with_algorithm_sections
 class Config:
     """The whole run."""
 
@@ -359,9 +381,9 @@ class Config:
         None, "Where the config came from (set by load_config; informational)."
     )
     algorithm: str = setting(
-        "flow_grpo",
-        "The RL algorithm: `flow_grpo`, `mix_grpo`, `grpo_guard` or `nft`; its settings are "
-        "the section of the same name (docs/algorithms.md).",
+        DEFAULT_ALGORITHM,
+        f"The RL algorithm: {_ALGORITHM_NAMES}; its settings are the section of the same name "
+        "(docs/algorithms.md).",
         check=one_of(*ALGORITHMS),
     )
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -380,10 +402,7 @@ class Config:
     )
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
-    flow_grpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
-    mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
-    grpo_guard: GRPOGuardConfig = field(default_factory=GRPOGuardConfig)
-    nft: NFTConfig = field(default_factory=NFTConfig)
+    # here, one section per registered algorithm (``_with_algorithm_sections``)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

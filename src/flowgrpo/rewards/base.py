@@ -14,7 +14,7 @@ import copy
 import difflib
 import importlib
 import inspect
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -280,7 +280,7 @@ class MultiReward:
     """Evaluate several rewards on one batch -> ``{name: Tensor[B] float32}``.
 
     A component returning a dict contributes entries named ``"<label>/<key>"``. ``.weights``
-    gives the weight of every output name (for ``combine_rewards``). Each reward gets its own
+    gives the weight of every output name (``weights_of``: what the algorithm combines them with). Each reward gets its own
     copy of the images and metadata; any exception it raises, SystemExit included (not
     KeyboardInterrupt), becomes ``RuntimeError("reward 'NAME' failed: ...")``.
     """
@@ -374,27 +374,11 @@ class MultiReward:
                 raise _tag(e, label) from None
         return out
 
-    def combine(
-        self,
-        rewards: Mapping[str, torch.Tensor],
-        group_ids: Sequence[Hashable] | torch.Tensor,
-        *,
-        mode: str = "weighted_sum",
-        global_std: bool = True,
-        eps: float = 1e-4,
-    ):
-        """``combine_rewards(rewards, self.weights, group_ids, ...)`` -> CombinedRewards."""
-        from flowgrpo.algo.advantages import combine_rewards
-
-        weights = {k: self.weight_of(k) for k in rewards}
-        return combine_rewards(
-            rewards,
-            {k: w for k, w in weights.items() if w is not None},
-            group_ids,
-            mode=mode,
-            global_std=global_std,
-            eps=eps,
-        )
+    def weights_of(self, names: Iterable[str]) -> dict[str, float]:
+        """{name: weight} of the outputs ``names`` (the keys of a scored batch) that a reward
+        gives: what the algorithm weighs the scores by when it forms advantages."""
+        weights = {k: self.weight_of(k) for k in names}
+        return {k: w for k, w in weights.items() if w is not None}
 
 
 class RewardFuture:

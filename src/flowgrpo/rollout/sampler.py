@@ -392,7 +392,7 @@ def sample_trajectories(
 def _dpm2_step(v, x, sigma, sigma_next, prev_x0, sigmas, i) -> SDEStepOutput:
     """A deterministic DPM-Solver++ 2M step (second order when the previous step's data
     prediction exists) as an SDEStepOutput with log_prob 0."""
-    from flowgrpo.algo.mix_grpo import dpm_solver_2m_step
+    from flowgrpo.algo.dpm_solver import dpm_solver_2m_step
 
     hist = {}
     if prev_x0 is not None and i > 0:

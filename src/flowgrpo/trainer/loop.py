@@ -296,9 +296,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     t2 = time.perf_counter()
     rewards = gather_rewards(run, local)
     group_ids = torch.tensor(groups)
-    combined = run.reward.combine(
-        rewards, group_ids, mode=cfg.advantage.mode, global_std=cfg.advantage.global_std
-    )
+    combined = run.algorithm.advantages(rewards, run.reward.weights_of(rewards), group_ids)
     advantages = combined.advantages[start : start + count].to(dist.device)
     train_metrics = {}
     if plan.train:  # MixGRPO's empty window trains nothing

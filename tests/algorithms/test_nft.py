@@ -4,7 +4,7 @@ where gradients flow, and the old-policy schedules (NVlabs/DiffusionNFT train_nf
 import pytest
 import torch
 
-from flowgrpo.algo.nft import (
+from flowgrpo.algorithms.nft import (
     forward_noising,
     nft_loss,
     old_policy_decay,
