@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, rank_env
+from flowgrpo.testing.ranks import free_port, rank_env
 
 FLOOR_BYTES = {"full": 18, "lora": 2}
 #: tiny width (6 heads x 64 = 384), deep: about 5.3 M parameters per block
