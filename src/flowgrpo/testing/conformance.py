@@ -110,12 +110,10 @@ def _straddles_wan22_boundary(traj: Any) -> None:
 
 
 def _load_wan22_lora(pipe: Any, folder: Path) -> None:
-    from flowgrpo.engine.fsdp import expert_file
-
-    name = "pytorch_lora_weights.safetensors"
-    pipe.load_lora_weights(folder, weight_name=name)
+    """Wan2.2's export as users load it: the second expert's file beside the first."""
+    pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights.safetensors")
     pipe.load_lora_weights(
-        folder, weight_name=expert_file(name, "transformer_2"), load_into_transformer_2=True
+        folder, weight_name="pytorch_lora_weights_2.safetensors", load_into_transformer_2=True
     )
 
 
@@ -355,8 +353,9 @@ def check_bf16_on_policy(fam: Family, adapter: Any, sde_type: str) -> float:
 
 
 def check_lora_targets(fam: Family, pipe: Any) -> set[str]:
-    """Every name in the adapter's ``lora_target_modules`` wraps at least one module of the
-    trained transformer(s), and only linear layers; returns the wrapped module names."""
+    """Every name in the adapter's ``lora_target_modules`` names at least one linear layer of
+    the trained transformer(s) (a misspelt target would silently train nothing); returns the
+    names of the modules peft wraps."""
     from peft import LoraConfig, inject_adapter_in_model
 
     adapter = fam.adapter(pipe)
@@ -391,15 +390,13 @@ def check_lora_export(fam: Family, tmp_path: Path) -> tuple[float, float]:
     h, w = fam.size
     x = _initial_latents(fam, adapter, 2, (h, w), seed=3)
     sigma = torch.tensor([1.0, 0.3])  # Wan2.2: one sample per expert
-    embeds = adapter.encode_prompts(list(fam.prompts[:2]))
     kw = dict(guidance_scale=1.0, height=h, width=w)
 
     def velocity(a: Any, model: Any) -> torch.Tensor:
         with torch.no_grad():
             return a.velocity(model, x, sigma, a.encode_prompts(list(fam.prompts[:2])), **kw)
 
-    with torch.no_grad():
-        v_engine = adapter.velocity(engine.transformer, x, sigma, embeds, **kw)
+    v_engine = velocity(adapter, engine.transformer)
     base = fam.adapter(fam.pipeline())
     v_base = velocity(base, base.transformer)
     engine.export_lora(tmp_path / "lora")
