@@ -23,6 +23,7 @@ PROMPTS = [
     "dog",
     "a blue car",
 ]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster
 NEGATIVE = [" ", "blurry", "a bad photo of a dog with six legs", ""]
 
 

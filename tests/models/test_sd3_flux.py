@@ -19,6 +19,7 @@ PROMPTS = ["a red cat holding a sign", "two blue birds"]
 SIZES = [tiny_size("sd3"), (24, 16)]  # two image sizes (non-square both ways)
 SEQ = 16  # short T5 length keeps the tests fast; the default is checked once
 STEPS = 3
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster
 
 
 @pytest.fixture(scope="module")
