@@ -21,7 +21,7 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.testing.models import random_toy_path
-from flowgrpo.testing.ranks import free_port
+from flowgrpo.testing.ranks import start_cli_ranks
 from flowgrpo.trainer.logging import deterministic_view, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -138,31 +138,18 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _args(out: Path, *extra: str) -> list[str]:
+    return ["train", "toy-digits", *SMALL, f"run.output_dir={out}", *extra]
+
+
 def _cli(out: Path, *extra: str) -> list[str]:
-    base = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *SMALL]
-    return [*base, f"run.output_dir={out}", *extra]
+    return [sys.executable, "-m", "flowgrpo", *_args(out, *extra)]
 
 
 def _two_ranks(out: Path, *extra: str, timeout: float = 300) -> list[str]:
     """`flowgrpo train` as 2 gloo ranks (plain env vars, one CLI process each); both must
     succeed. Returns their logs."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            _cli(out, *extra),
-            env=_env(
-                RANK=str(r),
-                WORLD_SIZE="2",
-                LOCAL_RANK=str(r),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = start_cli_ranks(_args(out, *extra), merged=True)
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     return logs

@@ -57,11 +57,17 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, join: bool = True) ->
 
 
 def start_cli_ranks(
-    args: Sequence[str], *, world: int = 2, pythonpath: Sequence[str] = (), stdout: bool = False
+    args: Sequence[str],
+    *,
+    world: int = 2,
+    pythonpath: Sequence[str] = (),
+    stdout: bool = False,
+    merged: bool = False,
 ) -> list[subprocess.Popen]:
     """Start ``python -m flowgrpo ARGS`` as ``world`` ranks with the variables torchrun would
-    set (one thread each, offline hub); stderr is piped, stdout too with ``stdout``.
-    ``pythonpath`` folders are importable beside the package's sources."""
+    set (one thread each, offline hub); stderr is piped, stdout too with ``stdout``, both into
+    one pipe (``communicate()[0]``) with ``merged``. ``pythonpath`` folders are importable
+    beside the package's sources."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -71,8 +77,8 @@ def start_cli_ranks(
             subprocess.Popen(
                 [sys.executable, "-m", "flowgrpo", *args],
                 env=env,
-                stdout=subprocess.PIPE if stdout else None,
-                stderr=subprocess.PIPE,
+                stdout=subprocess.PIPE if stdout or merged else None,
+                stderr=subprocess.STDOUT if merged else subprocess.PIPE,
                 text=True,
             )
         )
