@@ -13,10 +13,9 @@ import torch
 from flowgrpo.engine.config import EngineConfig as EngineConfigBase
 from flowgrpo.models.base import DiffusionAdapter
 from flowgrpo.testing.compare import full_trainable
-from flowgrpo.testing.models import TinyAdapter
+from flowgrpo.testing.models import TinyAdapter  # the engine tests use it as tm.TinyAdapter
 from flowgrpo.testing.ranks import rank_env
 
-__all__ = ["TinyAdapter"]  # re-exported for the engine tests
 PROMPTS = ["a", "b", "c", "d"]
 SIZE = 16  # "pixels" = latent side (identity decode); 8x8 tokens with patch 2
 
