@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, rank_env
+from flowgrpo.testing.ranks import free_port, rank_env
 
 FLOOR_BYTES = {"full": 18, "lora": 2}
 #: fp32 master 4 + fp32 grad 4 + Adam moments 8 per LoRA parameter (left out of the floor)

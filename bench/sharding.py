@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, rank_env
+from flowgrpo.testing.ranks import free_port, rank_env
 
 
 def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> None:

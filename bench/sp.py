@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, rank_env
+from flowgrpo.testing.ranks import free_port, rank_env
 
 GUIDANCE = 4.0
 

@@ -21,3 +21,7 @@ def outside_the_working_folder(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(before)
+
+
+# The kit's fixtures (one_thread, dist1), available to every test folder.
+from flowgrpo.testing.fixtures import dist1, one_thread  # noqa: E402, F401

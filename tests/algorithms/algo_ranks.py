@@ -3,33 +3,25 @@ algorithm tests' worker; a spawned job runs every case in one process per rank).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE.parent / "engine") not in sys.path:  # tinymodel: the engine tests' rank helpers
-    sys.path.insert(0, str(HERE.parent / "engine"))
-import tinymodel as tm  # noqa: E402
+from flowgrpo.algorithms import ALGORITHMS as REGISTERED
+from flowgrpo.testing.compare import full_trainable
+from flowgrpo.testing.conformance import FAMILIES, family
+from flowgrpo.testing.ranks import rank_env
 
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
-SIZES = {"toy": (8, 8), "sd3": (16, 16), "flux": (16, 16), "qwen_image": (16, 16)}
-SIZES.update(wan=(32, 48), wan22=(32, 48))  # videos of 5 frames (2 latent frames)
-FRAMES = {"wan": 5, "wan22": 5}
-KINDS = ("toy", "sd3", "flux", "qwen_image", "wan", "wan22")
-ALGORITHMS = ("flow_grpo", "mix_grpo", "grpo_guard", "nft")
+# every family of the conformance suite, at its training size (videos: 5 frames = 2 latent)
+KINDS = tuple(f.kind for f in FAMILIES)
+SIZES = {f.kind: f.train_size for f in FAMILIES}
+FRAMES = {f.kind: f.num_frames for f in FAMILIES if f.num_frames is not None}
+ALGORITHMS = tuple(REGISTERED)  # every registered algorithm
 
 
 def pipeline(kind: str):
-    if kind == "toy":
-        from flowgrpo.toy.pipeline import ToyDigitsPipeline
-
-        return ToyDigitsPipeline.from_config(seed=0)
-    from flowgrpo.models.tiny import tiny_pipeline
-
-    return tiny_pipeline(kind)
+    """The family's fresh tiny pipeline (the toy: random weights, seed 0)."""
+    return family(kind).pipeline()
 
 
 def config(algorithm: str, kind: str, mode: str, **over):
@@ -40,7 +32,7 @@ def config(algorithm: str, kind: str, mode: str, **over):
         "algorithm": algorithm,
         "seed": 3,
         "model": {"height": h, "width": w, "num_frames": FRAMES.get(kind)},
-        "sample": {"num_steps": 4, "guidance_scale": 4.5 if kind != "flux" else 3.5},
+        "sample": {"num_steps": 4, "guidance_scale": family(kind).guidance},
         "update": {"micro_batch_size": 2, "num_minibatches": 1},
         "lora": {"enabled": mode == "lora", "rank": 4, "alpha": 8},
         # eps >> |grad|: AdamW's first step ~ lr * grad (Adam's sign-like step would turn the
@@ -101,7 +93,11 @@ def run(
         )
     seeds = [sample_seed(cfg.seed, 1, i) for i in mine]
     metrics = algo.update(traj, advantages[mine], step=1, sample_seeds=seeds)
-    return {"params": tm.trainable(engine), "metrics": metrics, "steps": traj.step_indices.cpu()}
+    return {
+        "params": full_trainable(engine.model),
+        "metrics": metrics,
+        "steps": traj.step_indices.cpu(),
+    }
 
 
 def frames_option(kind: str) -> dict[str, int]:
@@ -117,7 +113,7 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
     cfg = config(algorithm, kind, mode)
     adapter = build_adapter(pipeline(kind), **frames_option(kind))
     engine, _ = build_engine(cfg, adapter, init_distributed())
-    return tm.trainable(engine)
+    return full_trainable(engine.model)
 
 
 # Wan2.1 with Flow-GRPO only: Wan2.2 (wan22) runs the same transformer class as two experts
@@ -132,7 +128,7 @@ CASES = [
 
 
 def job(rank: int, world: int, port: int, out: str) -> None:
-    tm._setup(rank, world, port)
+    rank_env(rank, world, port)
     from flowgrpo.engine import cleanup
 
     results = {}

@@ -6,17 +6,10 @@ and Flash on the grids the adapters produce, and same-latent groups in the train
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
+import algo_ranks as ar
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import algo_ranks as ar  # noqa: E402
 
 PROMPTS = ar.PROMPTS
 

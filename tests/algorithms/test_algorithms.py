@@ -4,17 +4,11 @@ numeric checks (issue 15)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import algo_ranks as ar
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import algo_ranks as ar  # noqa: E402
+from flowgrpo.testing.ranks import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +17,7 @@ pytestmark = pytest.mark.slow
 def runs(dist1, tmp_path_factory):
     """All cases on 2 ranks (one spawn) while this process runs them on 1."""
     out = tmp_path_factory.mktemp("algos") / "two_ranks.pt"
-    ctx = ar.tm.spawn(ar.job, 2, str(out), join=False)
+    ctx = spawn(ar.job, 2, str(out), join=False)
     try:
         single = {case: ar.run(*case) for case in ar.CASES}
     finally:

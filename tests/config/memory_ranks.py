@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from flowgrpo.testing.ranks import free_port, rank_env
 
 MARK = 7_654_321  # bytes of the marker allocation (no other tensor has this size)
 # a small SD3: 4 blocks of width 256, so that the weights and their state dominate
@@ -112,15 +113,7 @@ def _rise_after_mark(prof) -> float:
 
 
 def _worker(rank: int, world: int, port: int, root: str, name: str, result: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     from torch.profiler import ProfilerActivity, profile
 
     from flowgrpo.config import load_config
@@ -146,9 +139,7 @@ def _worker(rank: int, world: int, port: int, root: str, name: str, result: str)
 
 def measure(root: Path, name: str, world: int) -> float:
     """Rank 0's peak bytes of one training step of config ``name`` on ``world`` ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result = root / f"peak-{name}-{world}.json"
     mp.start_processes(
         _worker,

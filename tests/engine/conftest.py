@@ -1,20 +1,4 @@
-import sys
-from pathlib import Path
-
 import pytest
-
-HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-
-@pytest.fixture(scope="module")
-def dist1():
-    """The 1-rank process group of this pytest process (created once, reused, never torn
-    down: other modules' engines may still hold DTensors on it)."""
-    from flowgrpo.engine import init_distributed
-
-    return init_distributed()
 
 
 @pytest.fixture(scope="session")
@@ -25,11 +9,7 @@ def tiny_traj():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the spawned ranks need the other core."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_here(one_thread):
+    """Every engine test on one thread (the kit's fixture): tiny models run fastest so, and
+    the spawned ranks need the other core."""
     yield
-    torch.set_num_threads(before)

@@ -111,9 +111,9 @@ CASES = {  # name: (kind, lora or full, fsdp settings); every family, both cases
 
 def job(rank: int, world: int, port: int, workdir: str) -> None:
     """Every case of ``CASES`` on this rank; rank 0 saves the results (or the error)."""
-    from tinymodel import _setup
+    from flowgrpo.testing.ranks import rank_env
 
-    _setup(rank, world, port)
+    rank_env(rank, world, port)
     import diffusers
 
     from flowgrpo.engine import cleanup, init_distributed

@@ -263,9 +263,9 @@ def _merge(results: list[dict]) -> dict:
 
 
 def _setup(rank: int, world: int, port: int):
-    import tinymodel
+    from flowgrpo.testing.ranks import rank_env
 
-    tinymodel._setup(rank, world, port)
+    rank_env(rank, world, port)
     import warnings
 
     import diffusers

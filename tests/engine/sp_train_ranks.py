@@ -8,6 +8,8 @@ from pathlib import Path
 import tinymodel
 import torch
 
+from flowgrpo.testing.ranks import rank_env
+
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
 ADVANTAGES = torch.tensor([1.0, -0.5])
@@ -79,7 +81,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
 
 
 def job(rank: int, world: int, port: int, out: str) -> None:
-    tinymodel._setup(rank, world, port)
+    rank_env(rank, world, port)
     from flowgrpo.engine import cleanup
 
     results = {(k, m): run(k, m, sp=world) for k in KINDS for m in MODES}

@@ -9,7 +9,8 @@ from __future__ import annotations
 import load_ranks
 import pytest
 import torch
-from tinymodel import spawn
+
+from flowgrpo.testing.ranks import spawn
 
 FAMILIES = ("qwen_image", "sd3", "flux", "wan", "wan22")
 
@@ -99,6 +100,7 @@ def test_weights_in_several_files_with_an_index(dist1, saved, tmp_path):
     assert out["loaded"] == [] and out["trained"] == []
 
 
+@pytest.mark.slow  # spawns 2 ranks
 def test_two_ranks_equal_whole_model_path(saved, tmp_path):
     """Every case of load_ranks.CASES on 2 ranks (SP, HSDP, CPU offload among them); and each
     rank reads about half of the transformer's bytes (twice: the reference is read too)."""

@@ -7,6 +7,9 @@ import pytest
 import tinymodel as tm
 import torch
 
+from flowgrpo.testing.ranks import spawn
+
+pytestmark = pytest.mark.slow  # spawns 2 ranks
 TOL = 1e-5
 
 
@@ -26,7 +29,7 @@ def work(tmp_path_factory, tiny_traj):
 def runs(dist1, tiny_traj, work):
     """Every 2-rank run in one spawn (imports cost seconds per process), running while this
     process does the 1-process runs."""
-    ctx = tm.spawn(tm.sharded_job, 2, str(work), join=False)
+    ctx = spawn(tm.sharded_job, 2, str(work), join=False)
     try:
         adv = tm.ADVANTAGES
         single = {

@@ -7,23 +7,25 @@ per process); the ranks compute their own single-process references (tests/engin
 
 import pytest
 import sp_ranks
-import tinymodel as tm
 import torch
 
+from flowgrpo.testing.ranks import spawn
+
+pytestmark = pytest.mark.slow  # spawns 2 and 4 ranks
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def sp2(tmp_path_factory):
     work = tmp_path_factory.mktemp("sp2")
-    tm.spawn(sp_ranks.sp_job, 2, str(work))
+    spawn(sp_ranks.sp_job, 2, str(work))
     return torch.load(work / "sp2.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def dp2sp2(tmp_path_factory):
     work = tmp_path_factory.mktemp("dp2sp2")
-    tm.spawn(sp_ranks.dp_sp_job, 4, str(work))
+    spawn(sp_ranks.dp_sp_job, 4, str(work))
     return torch.load(work / "dp2sp2.pt", weights_only=False)
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import sp_train_ranks as st
-import tinymodel as tm
 import torch
+
+from flowgrpo.testing.ranks import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(dist1, tmp_path_factory):
     out = tmp_path_factory.mktemp("sp_train") / "sp2.pt"
-    ctx = tm.spawn(st.job, 2, str(out), join=False)
+    ctx = spawn(st.job, 2, str(out), join=False)
     try:
         single = {(k, m): st.run(k, m, sp=1) for k in st.KINDS for m in st.MODES}
     finally:

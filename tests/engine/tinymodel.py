@@ -1,11 +1,9 @@
-"""Test helpers for the engine: a tiny SD3-transformer adapter without text encoder or VAE,
-trajectory sampling, and the spawned 2-rank job (one spawn runs every sharded check)."""
+"""The engine tests' cases: trajectories of the kit's transformer-only ``TinyAdapter``, the
+engine + Flow-GRPO configs of the sharded/unsharded comparisons, and the spawned 2-rank job
+(one spawn runs every sharded check). Rank spawning and gathering come from the kit."""
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,71 +11,13 @@ from typing import Any
 import torch
 
 from flowgrpo.engine.config import EngineConfig as EngineConfigBase
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.base import DiffusionAdapter
+from flowgrpo.testing.compare import full_trainable
+from flowgrpo.testing.models import TinyAdapter  # the engine tests use it as tm.TinyAdapter
+from flowgrpo.testing.ranks import rank_env
 
-HERE = Path(__file__).resolve().parent
 PROMPTS = ["a", "b", "c", "d"]
 SIZE = 16  # "pixels" = latent side (identity decode); 8x8 tokens with patch 2
-
-
-class _Pipe:
-    """Just enough of a pipeline for the adapter base class."""
-
-    def __init__(self, transformer):
-        self.transformer = transformer
-
-
-class TinyAdapter(DiffusionAdapter):
-    """SD3Transformer2DModel (2 blocks) with prompt embeddings from a fixed random table."""
-
-    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out")
-
-    def __init__(self, seed: int = 0):
-        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-        g = torch.Generator().manual_seed(seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            transformer = SD3Transformer2DModel(
-                sample_size=8,
-                patch_size=2,
-                in_channels=4,
-                out_channels=4,
-                num_layers=2,
-                num_attention_heads=2,
-                attention_head_dim=8,
-                joint_attention_dim=16,
-                caption_projection_dim=16,
-                pooled_projection_dim=16,
-                pos_embed_max_size=8,
-            )
-        super().__init__(_Pipe(transformer))
-        self.table = torch.randn(64, 3, 16, generator=g)  # [vocab, L, D]
-        self.pooled = torch.randn(64, 16, generator=g)
-        self.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        ids = torch.tensor([sum(map(ord, p)) % 64 for p in prompts])
-        return PromptEmbeds(self.table[ids], None, self.pooled[ids])
-
-    def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
-        self.scheduler.set_timesteps(num_steps)
-        return Schedule(self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float())
-
-    def prepare_latents(self, batch_size, height, width, generator=None) -> torch.Tensor:
-        return torch.randn(batch_size, 4, height, width, generator=generator)
-
-    def forward(self, transformer, latents, sigma, embeds, *, height, width, guidance_scale):
-        return transformer(
-            hidden_states=latents,
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=embeds.embeds,
-            pooled_projections=embeds.pooled,
-            return_dict=False,
-        )[0]
-
-    def decode(self, latents, height, width) -> torch.Tensor:
-        return latents.float().cpu()
 
 
 def make_trajectory(adapter: DiffusionAdapter, seed: int = 0):
@@ -160,46 +100,11 @@ def train_step(engine, traj, advantages) -> dict:
 
 def trainable(engine) -> dict[str, torch.Tensor]:
     """Full (unsharded) trainable params, by name (collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in engine.model.named_parameters()
-        if p.requires_grad
-    }
+    return full_trainable(engine.model)
 
 
 def ema_values(engine) -> list[torch.Tensor]:
     return [e.full_tensor().clone() for e in engine.ema.shadow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, nprocs: int, *args, join: bool = True):
-    """torch.multiprocessing.spawn with a fresh loopback rendezvous (env vars per child);
-    join=False returns the context to ``join()`` later."""
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    return mp.spawn(fn, args=(nprocs, port, *args), nprocs=nprocs, join=join)
-
-
-def _setup(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
 
 
 def run_case(
@@ -234,7 +139,7 @@ def run_case(
 
 def sharded_job(rank: int, world: int, port: int, workdir: str) -> None:
     """The 2-rank half of the equivalence tests: each rank trains on its half of the batch."""
-    _setup(rank, world, port)
+    rank_env(rank, world, port)
     from flowgrpo.engine import cleanup, init_distributed
 
     init_distributed()

@@ -98,7 +98,7 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 def _third_party(folders: tuple[str, ...]) -> dict[str, bool]:
     """{module: every import of it is guarded} over the .py files of ``folders``."""
-    local = {"flowgrpo", "bench", "tests", "random_toy", "tinymodel", "conftest"}
+    local = {"flowgrpo", "bench", "tests", "tinymodel", "conftest"}
     local |= {p.stem for p in (ROOT / "tests").rglob("*.py")}
     found: dict[str, bool] = {}
     for folder in folders:

@@ -25,6 +25,7 @@ LAYERS = [
     {"config"},
     {"trainer"},
     {"cli"},
+    {"testing"},  # the test kit: above everything it tests
 ]
 # The package root (__init__, __main__) and the CLI sit on top of everything they start.
 TOP = {"__main__": 9, "cli": 9}

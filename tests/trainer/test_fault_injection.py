@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowgrpo.testing.models import random_toy_path
 from flowgrpo.trainer.logging import deterministic_view, read_jsonl
-from random_toy import random_toy_path
 
 pytestmark = pytest.mark.slow
 

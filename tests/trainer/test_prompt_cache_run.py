@@ -5,13 +5,12 @@ fills the cache once, and a second run reads it without encoding."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flowgrpo.config import load_config
+from flowgrpo.testing.models import random_toy_path
 from flowgrpo.trainer.logging import deterministic_view, read_jsonl
-from random_toy import random_toy_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 SMALL = [
     f"model.path={random_toy_path()}",
@@ -33,7 +32,6 @@ SMALL = [
 def test_cached_run_equals_uncached_and_frees_the_encoder(tmp_path, monkeypatch):
     from flowgrpo.trainer import loop, setup
 
-    torch.set_num_threads(1)
     plain, cached = tmp_path / "plain", tmp_path / "cached"
     loop.run_training(load_config("toy-digits", [*SMALL, f"run.output_dir={plain}"]))
     cache = tmp_path / "cache"

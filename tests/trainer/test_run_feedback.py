@@ -18,9 +18,9 @@ import torch
 
 from flowgrpo import cli
 from flowgrpo.config import load_config
+from flowgrpo.testing.models import random_toy_path
 from flowgrpo.trainer.figures import make_grid, save_images
 from flowgrpo.trainer.logging import RunLogger, read_jsonl, step_line
-from random_toy import random_toy_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,7 +56,6 @@ def three_steps(tmp_path_factory):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        torch.set_num_threads(1)
         train(
             out,
             "trainer.max_steps=3",
@@ -331,10 +330,10 @@ def test_only_the_known_harmless_warnings_are_silenced():
 def test_two_ranks_print_one_banner_and_one_line_per_step(tmp_path):
     """2 CLI processes (as torchrun starts them): rank 0 prints the banner (2 ranks, 4 images
     each) and the step lines; rank 1 prints none of it."""
-    from cli_ranks import start_ranks
+    from flowgrpo.testing.ranks import start_cli_ranks
 
     args = ["train", "toy-digits", *SMALL, f"run.output_dir={tmp_path / 'ddp'}"]
-    procs = start_ranks([*args, "trainer.max_steps=1"], stdout=True)
+    procs = start_cli_ranks([*args, "trainer.max_steps=1"], stdout=True)
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     rank0, rank1 = outs[0][0], outs[1][0]

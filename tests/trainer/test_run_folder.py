@@ -142,11 +142,11 @@ def test_the_lock_under_torchrun_two_ranks(tmp_path):
     out = tmp_path / "ddp"
     out.mkdir()
 
-    from cli_ranks import start_ranks
+    from flowgrpo.testing.ranks import start_cli_ranks
 
     def two_ranks() -> tuple[list[int], list[list[str]]]:
         args = ["train", "toy-digits", *SMALL, f"run.output_dir={out}", "trainer.max_steps=1"]
-        procs = start_ranks(args)
+        procs = start_cli_ranks(args)
         errs = [p.communicate(timeout=180)[1] for p in procs]
         lines = [[x for x in e.splitlines() if x.startswith("flowgrpo: error")] for e in errs]
         return [p.returncode for p in procs], lines

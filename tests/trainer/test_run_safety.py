@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flowgrpo import cli
+from flowgrpo.testing.models import random_toy_path
 from flowgrpo.trainer.logging import read_jsonl
-from random_toy import random_toy_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -141,11 +141,11 @@ def flaky(images, prompts, metadata):
 def test_a_failure_on_one_rank_is_reported_once_and_every_rank_exits(tmp_path):
     """2 CLI processes (as torchrun starts them): the reward fails on rank 1 only. Exactly one
     line in all, from rank 1; both exit 1; nothing hangs (the timeout would fail the test)."""
-    from cli_ranks import start_ranks
+    from flowgrpo.testing.ranks import start_cli_ranks
 
     (tmp_path / "flakymod.py").write_text(REWARD)
     args = ["train", "toy-digits", *SMALL, f"run.output_dir={tmp_path / 'ddp'}"]
-    procs = start_ranks(
+    procs = start_cli_ranks(
         [*args, "trainer.max_steps=2", "reward=flakymod:flaky"], pythonpath=[str(tmp_path)]
     )
     errs = [p.communicate(timeout=180)[1] for p in procs]

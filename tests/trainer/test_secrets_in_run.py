@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from flowgrpo import cli
 from flowgrpo.rewards.server import serve_reward
-from random_toy import random_toy_path
+from flowgrpo.testing.models import random_toy_path
+from flowgrpo.testing.ranks import one_thread
 
 pytestmark = pytest.mark.slow  # an end-to-end run (~15 s)
 
@@ -46,12 +46,10 @@ def test_the_reward_token_is_in_no_file_of_the_run_folder(tmp_path, monkeypatch,
         f"run.output_dir={out}",
     ]
     monkeypatch.setattr(sys, "argv", ["flowgrpo", *argv])  # as the command line gives it
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        assert cli.main(argv) == 0, capsys.readouterr().err
+        with one_thread():
+            assert cli.main(argv) == 0, capsys.readouterr().err
     finally:
-        torch.set_num_threads(before)
         server.close()
     files = [p for p in out.rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in files) and any(p.name == "debug.log" for p in files)

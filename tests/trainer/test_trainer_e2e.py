@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,10 +20,11 @@ import pytest
 import torch
 
 from flowgrpo.config import load_config
+from flowgrpo.testing.models import random_toy_path
+from flowgrpo.testing.ranks import start_cli_ranks
 from flowgrpo.trainer.logging import deterministic_view, read_jsonl
-from random_toy import random_toy_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 SMALL = [
     f"model.path={random_toy_path()}",  # random init: independent of the shipped asset
@@ -46,16 +46,6 @@ CONTRACT_KEYS |= {"time/reward_s", "time/train_s", "images_per_s", "zero_std_rat
 CONTRACT_KEYS |= {"reward/digits_mean", "train/loss", "train/approx_kl", "train/grad_norm"}
 EVAL_KEYS = {"eval/reward_mean", "eval/digits_mean", "eval/accuracy", "eval/judge_accuracy"}
 EVAL_KEYS |= {"eval/diversity"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The toy's ops are tiny: one intra-op thread is as fast, and far faster when the CPU is
-    shared (two spinning OpenMP threads per process slowed a busy 2-core machine ~6x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def small_cfg(out: Path, *extra: str, command: str = "train"):
@@ -138,12 +128,6 @@ def test_resume_matches_straight_run(two_steps, tmp_path):
     assert any(not torch.equal(w2[k], wb[k]) for k in wb)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **extra)
     src = str(Path(__file__).resolve().parents[2] / "src")
@@ -154,31 +138,18 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _args(out: Path, *extra: str) -> list[str]:
+    return ["train", "toy-digits", *SMALL, f"run.output_dir={out}", *extra]
+
+
 def _cli(out: Path, *extra: str) -> list[str]:
-    base = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", *SMALL]
-    return [*base, f"run.output_dir={out}", *extra]
+    return [sys.executable, "-m", "flowgrpo", *_args(out, *extra)]
 
 
 def _two_ranks(out: Path, *extra: str, timeout: float = 300) -> list[str]:
     """`flowgrpo train` as 2 gloo ranks (plain env vars, one CLI process each); both must
     succeed. Returns their logs."""
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            _cli(out, *extra),
-            env=_env(
-                RANK=str(r),
-                WORLD_SIZE="2",
-                LOCAL_RANK=str(r),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = start_cli_ranks(_args(out, *extra), merged=True)
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     return logs

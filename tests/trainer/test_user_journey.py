@@ -19,7 +19,7 @@ import yaml
 
 from flowgrpo import cli
 from flowgrpo.config import ConfigError, load_config
-from random_toy import random_toy_path
+from flowgrpo.testing.models import random_toy_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
