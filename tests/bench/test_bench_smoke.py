@@ -91,7 +91,8 @@ def test_quick_benchmark_writes_every_field(tmp_path):
     assert {"wall_s", "peak_rss_mb", "steps", "base_accuracy", "final_accuracy"} <= set(toy)
     assert toy["steps"] == 2 and toy["peak_rss_mb"] > 0
     figures = {row["figure"] for row in results["targets"]}
-    assert figures == set(TARGETS)
+    # the allocator's peaks come from extra profiled runs that --quick leaves out
+    assert figures == set(TARGETS) - {"sharded_alloc_over_floor"}
 
 
 def test_algorithms_report_table_and_plot(tmp_path):
