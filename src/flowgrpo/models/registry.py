@@ -23,6 +23,8 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
     "WanPipeline": "flowgrpo.models.wan:WanAdapter",
     "ToyDigitsPipeline": "flowgrpo.toy.pipeline:ToyAdapter",
+    "Flux2Pipeline": "flowgrpo.models.flux2:Flux2Adapter",
+    "Flux2KleinPipeline": "flowgrpo.models.flux2:Flux2KleinAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)

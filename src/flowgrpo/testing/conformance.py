@@ -56,7 +56,11 @@ class Family:
     ``__call__(latents=, output_type="latent")`` (the toy); ``x0_seed``: the SDE rollouts'
     initial latents from this seed (else drawn by the per-sample generators);
     ``rollout_check``: asserts on the SDE rollout (Wan2.2: its steps straddle the experts);
-    ``train_size`` / ``guidance``: the algorithm tests' image size and guidance scale.
+    ``train_size`` / ``guidance``: the algorithm tests' image size and guidance scale;
+    ``stock_layout(pipe, latents, (H, W))``: the rollout's final latents in the layout of the
+    stock pipeline's ``output_type="latent"`` when it differs (the pipeline's own ops);
+    ``stock_negative``: False for a pipeline that takes no ``negative_prompt`` (it uses its
+    own, which ``negative`` must equal).
     """
 
     kind: str
@@ -84,6 +88,8 @@ class Family:
     guidance: float = 4.5
     make: Callable[[], Any] | None = None
     load_lora: Callable[[Any, Path], None] | None = None
+    stock_layout: Callable[[Any, torch.Tensor, tuple[int, int]], torch.Tensor] | None = None
+    stock_negative: bool = True
 
     def __str__(self) -> str:
         return self.kind
@@ -115,6 +121,20 @@ def _load_wan22_lora(pipe: Any, folder: Path) -> None:
     pipe.load_lora_weights(
         folder, weight_name="pytorch_lora_weights_2.safetensors", load_into_transformer_2=True
     )
+
+
+def _flux2_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int, int]):
+    """Flux2Pipeline's ``output_type="latent"``: packed [B, S, 4C] (``_pack_latents``)."""
+    return pipe._pack_latents(latents)
+
+
+def _flux2_klein_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int, int]):
+    """Flux2KleinPipeline's ``output_type="latent"``: de-normalized with the VAE's batch-norm
+    statistics and unpatchified (its own steps after the loop)."""
+    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
+    mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
+    return pipe._unpatchify_latents(latents * std + mean)
 
 
 # One line per family: adding a family to the package adds its line here.
@@ -176,6 +196,23 @@ FAMILIES: tuple[Family, ...] = (
         train_size=(32, 48),
         load_lora=_load_wan22_lora,
     ),
+    Family(
+        "flux2",
+        ((32, 48), (24, 16)),
+        options={"max_sequence_length": 64},
+        call_options={"max_sequence_length": 64},
+        guidance=4.0,
+        stock_layout=_flux2_stock_layout,
+    ),
+    Family(
+        "flux2_klein",
+        ((32, 48), (24, 16)),
+        options={"max_sequence_length": 64},
+        call_options={"max_sequence_length": 64},
+        guidance=4.0,
+        stock_layout=_flux2_klein_stock_layout,
+        stock_negative=False,  # the pipeline's negative prompt is always ""
+    ),
 )
 
 
@@ -229,10 +266,10 @@ def check_noise0_matches_pipeline(
     call = dict(fam.call_options)
     if fam.num_frames is not None:
         call["num_frames"] = fam.num_frames
-    if adapter.uses_cfg(guidance_scale):
+    if adapter.uses_cfg(guidance_scale) and fam.stock_negative:
         call["negative_prompt"] = [fam.negative] * len(prompts)
     out = pipe(
-        list(prompts),
+        prompt=list(prompts),
         height=size[0],
         width=size[1],
         num_inference_steps=steps,
@@ -242,8 +279,10 @@ def check_noise0_matches_pipeline(
         **call,
     )
     ref = out.frames if fam.num_frames is not None else out.images
+    moved = float((ours - latents).abs().max())  # in the rollout's layout (= ref's)
+    if fam.stock_layout is not None:
+        ours = fam.stock_layout(pipe, ours, size)
     worst = assert_tensors_close(ours, ref, NOISE0_ATOL, f"{fam.kind} final latents")
-    moved = float((ref - latents).abs().max())
     assert moved > 1e-2, f"{fam.kind}: the sampler did not move the latents ({moved:.2e})"
     return worst
 
