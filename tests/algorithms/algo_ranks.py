@@ -68,7 +68,7 @@ def run(
 
     cfg = config(algorithm, kind, mode, **over)
     dist = init_distributed()
-    adapter = build_adapter(pipeline(kind), **frames_option(kind))
+    adapter = build_adapter(pipeline(kind), **family(kind).train_options, **frames_option(kind))
     engine, algo = build_engine(cfg, adapter, dist)
     share = len(PROMPTS) // world
     mine = list(range(rank * share, (rank + 1) * share))
@@ -111,7 +111,7 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
     from flowgrpo.trainer.setup import build_engine
 
     cfg = config(algorithm, kind, mode)
-    adapter = build_adapter(pipeline(kind), **frames_option(kind))
+    adapter = build_adapter(pipeline(kind), **family(kind).train_options, **frames_option(kind))
     engine, _ = build_engine(cfg, adapter, init_distributed())
     return full_trainable(engine.model)
 

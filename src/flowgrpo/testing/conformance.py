@@ -60,7 +60,8 @@ class Family:
     ``stock_layout(pipe, latents, (H, W))``: the rollout's final latents in the layout of the
     stock pipeline's ``output_type="latent"`` when it differs (the pipeline's own ops);
     ``stock_negative``: False for a pipeline that takes no ``negative_prompt`` (it uses its
-    own, which ``negative`` must equal).
+    own, which ``negative`` must equal); ``train_options``: adapter options of the algorithm
+    tests (a short text length for a family whose default is long).
     """
 
     kind: str
@@ -90,6 +91,7 @@ class Family:
     load_lora: Callable[[Any, Path], None] | None = None
     stock_layout: Callable[[Any, torch.Tensor, tuple[int, int]], torch.Tensor] | None = None
     stock_negative: bool = True
+    train_options: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return self.kind
@@ -202,6 +204,8 @@ FAMILIES: tuple[Family, ...] = (
         options={"max_sequence_length": 64},
         call_options={"max_sequence_length": 64},
         guidance=4.0,
+        train_options={"max_sequence_length": 64},
+        train_size=(8, 8),  # LoRA steps of 16 x 16 move < 1e-4 (the algorithm tests' floor)
         stock_layout=_flux2_stock_layout,
     ),
     Family(
@@ -210,6 +214,8 @@ FAMILIES: tuple[Family, ...] = (
         options={"max_sequence_length": 64},
         call_options={"max_sequence_length": 64},
         guidance=4.0,
+        train_options={"max_sequence_length": 64},
+        train_size=(8, 8),  # LoRA steps of 16 x 16 move < 1e-4 (the algorithm tests' floor)
         stock_layout=_flux2_klein_stock_layout,
         stock_negative=False,  # the pipeline's negative prompt is always ""
     ),
