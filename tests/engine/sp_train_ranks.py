@@ -13,7 +13,7 @@ from flowgrpo.testing.ranks import rank_env
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
 ADVANTAGES = torch.tensor([1.0, -0.5])
-KINDS = ("qwen_image", "flux", "sd3", "wan", "wan22")
+KINDS = ("qwen_image", "flux", "sd3", "wan", "wan22", "flux2", "flux2_klein")
 MODES = ("lora", "full")
 
 
@@ -40,6 +40,8 @@ def run(kind: str, mode: str, sp: int) -> dict:
         "flux": {"true_cfg_scale": 4.0},
         "wan": {"num_frames": 5},
         "wan22": {"num_frames": 5},
+        "flux2": {"max_sequence_length": 64},  # text and image tokens both split over sp=2
+        "flux2_klein": {"max_sequence_length": 64},
     }
     options = options.get(kind, {})
     adapter = build_adapter(pipe, **options)
