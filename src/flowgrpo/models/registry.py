@@ -37,6 +37,8 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "qwen-image-ocr": ("QwenImagePipeline",),
     "flux-pickscore": ("FluxPipeline",),
     "wan-t2v-ocr": ("WanPipeline",),
+    "flux2-pickscore": ("Flux2Pipeline",),
+    "flux2-klein-pickscore": ("Flux2KleinPipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
