@@ -36,6 +36,8 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "qwen-image-ocr": ("QwenImagePipeline",),
     "flux-pickscore": ("FluxPipeline",),
     "wan-t2v-ocr": ("WanPipeline",),
+    "z-image-pickscore": ("ZImagePipeline",),
+    "z-image-turbo-pickscore": ("ZImagePipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
