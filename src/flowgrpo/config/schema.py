@@ -79,6 +79,17 @@ class ModelConfig:
         "`sample.guidance_scale`.",
         check=optional(ge(0)),
     )
+    cfg_normalization: float = setting(
+        0.0,
+        "Z-Image only: clip each guided sample's norm to this multiple of the conditional "
+        "one's (the pipeline's `cfg_normalization`; 0 = off).",
+        check=ge(0, " (0 = off)"),
+    )
+    cfg_truncation: float = setting(
+        1.0,
+        "Z-Image only: no CFG at the steps whose normalized time (1000 - t)/1000 exceeds this "
+        "(the pipeline's `cfg_truncation`; 1 = CFG at every step).",
+    )
     embed_cache_dir: str | None = setting(
         None,
         "Folder of the prompt-embedding cache: each prompt is encoded once (alone) and read back "

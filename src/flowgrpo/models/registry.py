@@ -25,6 +25,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "ToyDigitsPipeline": "flowgrpo.toy.pipeline:ToyAdapter",
     "Flux2Pipeline": "flowgrpo.models.flux2:Flux2Adapter",
     "Flux2KleinPipeline": "flowgrpo.models.flux2:Flux2KleinAdapter",
+    "ZImagePipeline": "flowgrpo.models.zimage:ZImageAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
@@ -39,6 +40,8 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "wan-t2v-ocr": ("WanPipeline",),
     "flux2-pickscore": ("Flux2Pipeline",),
     "flux2-klein-pickscore": ("Flux2KleinPipeline",),
+    "z-image-pickscore": ("ZImagePipeline",),
+    "z-image-turbo-pickscore": ("ZImagePipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of

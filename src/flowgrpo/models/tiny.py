@@ -35,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-TINY_KINDS = ("qwen_image", "sd3", "flux")  # image pipelines
+TINY_KINDS = ("qwen_image", "sd3", "flux", "z_image")  # image pipelines
 TINY_VIDEO_KINDS = ("wan", "wan22")  # WanPipeline: Wan2.1-like, Wan2.2-like (two experts)
 TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
 
@@ -58,6 +58,8 @@ SCHEDULER_CONFIGS: dict[str, dict[str, Any]] = {
     # Wan-AI/Wan2.1-T2V-*-Diffusers ship UniPC with flow_shift 3.0 (480p); the Euler equivalent
     "wan": {"num_train_timesteps": 1000, "shift": 3.0},
     "wan22": {"num_train_timesteps": 1000, "shift": 3.0},
+    # Tongyi-MAI/Z-Image-Turbo: a static shift 3 (the pipeline's mu is ignored)
+    "z_image": {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0},
     # black-forest-labs/FLUX.1-dev
     "flux": {
         "num_train_timesteps": 1000,
@@ -155,6 +157,20 @@ TRANSFORMER_CONFIGS["flux2"] = {
     "guidance_embeds": True,
 }
 TRANSFORMER_CONFIGS["flux2_klein"] = {**TRANSFORMER_CONFIGS["flux2"], "guidance_embeds": False}
+# Z-Image: 1 noise + 1 context refiner block, 2 main blocks, 2 heads of 32 (RoPE 8/12/12).
+TRANSFORMER_CONFIGS["z_image"] = {
+    "all_patch_size": (2,),
+    "all_f_patch_size": (1,),
+    "in_channels": 4,  # = the tiny VAE's latent channels (real: 16)
+    "dim": 64,
+    "n_layers": 2,
+    "n_refiner_layers": 1,
+    "n_heads": 2,
+    "n_kv_heads": 2,
+    "cap_feat_dim": 32,  # = the Qwen3 text encoder's hidden size
+    "axes_dims": (8, 12, 12),
+    "axes_lens": (1024, 512, 512),
+}
 
 # Words the tokenizers know whole; anything else falls back to smaller pieces.
 _WORDS = (
@@ -721,6 +737,54 @@ def _build_flux2_klein(tcfg: dict[str, Any], seeds) -> Any:
     )
 
 
+#: Qwen3's chat template for one user turn with ``add_generation_prompt`` (the pipeline asks
+#: ``enable_thinking=True``: no empty think block)
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+def _build_z_image(tcfg: dict[str, Any], seeds) -> Any:
+    """Z-Image(-Turbo): a tiny Qwen3 (its second-to-last hidden states), the FLUX-style VAE."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tok = _qwen_tokenizer()
+    tok.chat_template = _QWEN3_CHAT_TEMPLATE
+    hidden = tcfg["cap_feat_dim"]
+    torch.manual_seed(next(seeds))
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=hidden // 2,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
+            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    torch.manual_seed(next(seeds))
+    vae = _kl_vae(shift=0.1159, scale=0.3611)  # Z-Image ships the FLUX.1 VAE
+    torch.manual_seed(next(seeds))
+    transformer = ZImageTransformer2DModel(**tcfg)
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["z_image"]),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+    )
+
+
 _BUILDERS = {
     "qwen_image": _build_qwen_image,
     "sd3": _build_sd3,
@@ -729,6 +793,7 @@ _BUILDERS = {
     "wan22": _build_wan22,
     "flux2": _build_flux2,
     "flux2_klein": _build_flux2_klein,
+    "z_image": _build_z_image,
 }
 _ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS
 

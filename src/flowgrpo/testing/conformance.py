@@ -199,6 +199,12 @@ FAMILIES: tuple[Family, ...] = (
         load_lora=_load_wan22_lora,
     ),
     Family(
+        "z_image",
+        ((32, 48), (24, 16)),
+        options={"max_sequence_length": 64},
+        call_options={"max_sequence_length": 64},
+    ),
+    Family(
         "flux2",
         ((32, 48), (24, 16)),
         options={"max_sequence_length": 64},
@@ -435,7 +441,8 @@ def check_lora_export(fam: Family, tmp_path: Path) -> tuple[float, float]:
     h, w = fam.size
     x = _initial_latents(fam, adapter, 2, (h, w), seed=3)
     sigma = torch.tensor([1.0, 0.3])  # Wan2.2: one sample per expert
-    kw = dict(guidance_scale=1.0, height=h, width=w)
+    off = 1.0 if not adapter.uses_cfg(1.0) else 0.0  # guidance off (Z-Image: g = 0)
+    kw = dict(guidance_scale=off, height=h, width=w)
 
     def velocity(a: Any, model: Any) -> torch.Tensor:
         with torch.no_grad():

@@ -1,0 +1,246 @@
+"""Z-Image and Z-Image-Turbo (diffusers ``ZImagePipeline``): CFG of the form
+``v_pos + g (v_pos - v_neg)`` with optional norm clipping and truncation, and a transformer
+that predicts the negated velocity at the reversed time ``(1000 - t) / 1000``.
+
+Mirrors ``ZImagePipeline.__call__`` of diffusers 0.42.1 piece by piece:
+
+- prompts: the Qwen3 chat template (one user turn, ``add_generation_prompt``,
+  ``enable_thinking=True``), tokenized to ``max_sequence_length`` (512), the text encoder's
+  second-to-last hidden states, each prompt's real tokens only (``pipe._encode_prompt``); here
+  right-padded with a mask, and unpadded again per sample in ``forward``;
+- latents: [B, C, H/8, W/8] (``pipe.prepare_latents``), drawn in fp32; the transformer takes a
+  list of [C, 1, h, w] and patchifies 2x2 itself;
+- schedule: sigmas = ``torch.linspace(1, 1/N, N)`` (``get_default_z_image_sigmas``) through
+  ``retrieve_timesteps`` with ``mu = calculate_shift(image tokens, ...)`` (Z-Image's scheduler
+  has a static shift 3, so ``mu`` is ignored there);
+- transformer input: ``timestep = (1000 - t) / 1000`` in fp32 with ``t = 1000 sigma``; its output
+  negated is the velocity the scheduler's Euler step takes (``noise_pred = -noise_pred``);
+- guidance: on when ``guidance_scale > 0`` (not > 1): ``pred = pos + g (pos - neg)``, then with
+  ``cfg_normalization`` c > 0 the sample's norm is clipped to c |pos| (norms over the whole
+  sample), and with ``cfg_truncation`` <= 1 the scale is 0 (no CFG) at the steps whose
+  ``(1000 - t) / 1000`` exceeds it (the pipeline's defaults: c = 0 off, truncation 1.0 never);
+- decoding: ``/ scaling_factor + shift_factor``, ``vae.decode``, mapped to [0, 1].
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flowgrpo.models.base import (
+    DiffusionAdapter,
+    PromptEmbeds,
+    Schedule,
+    SizeRule,
+    check_size,
+    param_dtype,
+    vae_scale,
+)
+
+
+class ZImageAdapter(DiffusionAdapter):
+    """Adapter for ``diffusers.ZImagePipeline`` (Z-Image, Z-Image-Turbo).
+
+    ``guidance_scale`` is the pipeline's: 0 turns CFG off (Z-Image-Turbo runs with 0), any
+    g > 0 evaluates the negative branch. ``batch_cfg``: the positive and negative prompts run as
+    one list, as the pipeline does; the transformer pads every caption to a multiple of 32 with
+    its own pad token and masks the batch padding, so each sample sees only its own tokens.
+    """
+
+    lora_target_modules = (  # every linear of the attention and the SwiGLU feed-forward
+        "attention.to_q",
+        "attention.to_k",
+        "attention.to_v",
+        "attention.to_out.0",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    )
+    batch_cfg = True
+    default_negative_prompt = ""  # the pipeline's when none is given
+
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        max_sequence_length: int = 512,
+        cfg_normalization: float = 0.0,
+        cfg_truncation: float = 1.0,
+    ):
+        super().__init__(pipe)
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+        if cfg_normalization < 0:
+            raise ValueError(f"cfg_normalization must be >= 0, got {cfg_normalization}")
+        self.max_sequence_length = max_sequence_length
+        self.cfg_normalization = float(cfg_normalization)
+        self.cfg_truncation = float(cfg_truncation)
+        self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+
+    # -- guidance on / off ---------------------------------------------------------------------
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """The pipeline's ``do_classifier_free_guidance``: guidance_scale > 0."""
+        return guidance_scale > 0.0
+
+    @classmethod
+    def plans_cfg(cls, guidance_scale: float, options: dict[str, Any]) -> bool:
+        """CFG whenever guidance_scale > 0 (Z-Image-Turbo: 0)."""
+        return guidance_scale > 0.0
+
+    @classmethod
+    def prompt_tokens(cls, max_sequence_length: int | None) -> tuple[int, int]:
+        """Qwen3-4B hidden states: at most 512 tokens by default, 2560 wide."""
+        return max_sequence_length or 512, 2560
+
+    @classmethod
+    def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
+        """Multiples of VAE factor x 2 (16): the transformer's 2x2 patches."""
+        f = vae_scale(config("vae"))
+        return SizeRule("Z-Image", (2 * f, 2 * f), f"VAE {f} x 2x2 patches")
+
+    def _check_size(self, height: int, width: int) -> None:
+        m = 2 * self.pipe.vae_scale_factor
+        rule = SizeRule("Z-Image", (m, m), f"VAE {m // 2} x 2x2 patches")
+        check_size(rule, height, width, None)
+
+    # -- text ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Qwen3 hidden states of each prompt's real tokens, right-padded: embeds [B, L, D] and
+        mask [B, L] (L the longest prompt)."""
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        device = next(self.pipe.text_encoder.parameters()).device
+        rows = self.pipe._encode_prompt(  # it templates the list in place: pass a copy
+            list(prompts), device=device, max_sequence_length=self.max_sequence_length
+        )
+        longest = max(r.shape[0] for r in rows)
+        embeds = torch.stack(
+            [torch.nn.functional.pad(r, (0, 0, 0, longest - len(r))) for r in rows]
+        )
+        mask = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        for i, r in enumerate(rows):
+            mask[i, : len(r)] = 1
+        return PromptEmbeds(embeds.to(self.device), mask.to(self.device), None)
+
+    # -- schedule and latents -----------------------------------------------------------------
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        f = self.pipe.vae_scale_factor
+        return 2 * (int(height) // (f * 2)), 2 * (int(width) // (f * 2))
+
+    def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
+        """sigmas [N+1] (final 0 included) and timesteps [N], exactly as the pipeline."""
+        from diffusers.pipelines.z_image.pipeline_z_image import (
+            calculate_shift,
+            get_default_z_image_sigmas,
+            retrieve_timesteps,
+        )
+
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self._check_size(height, width)
+        lh, lw = self._latent_hw(height, width)
+        scheduler = copy.deepcopy(self.pipe.scheduler)  # leave the pipeline's state alone
+        cfg = scheduler.config
+        mu = calculate_shift(
+            (lh // 2) * (lw // 2),
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
+        sigmas = get_default_z_image_sigmas(num_steps)
+        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+
+    def prepare_latents(
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """Noise [B, C, h, w] drawn as the pipeline draws it (fp32, same generator use)."""
+        self._check_size(height, width)
+        return self.pipe.prepare_latents(
+            batch_size,
+            self.transformer.config.in_channels,
+            height,
+            width,
+            torch.float32,
+            self.device,
+            generator,
+        )
+
+    # -- the model ----------------------------------------------------------------------------
+    def _reversed_time(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The pipeline's ``(1000 - t) / 1000`` of the scheduler's t = 1000 sigma, fp32."""
+        t = sigma.float() * self.num_train_timesteps
+        return (1000 - t) / 1000
+
+    def forward(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: PromptEmbeds,
+        *,
+        height: int,
+        width: int,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """Velocity [B, C, h, w] = minus the transformer's output at time (1000 - t) / 1000."""
+        batch = latents.shape[0]
+        if len(embeds) != batch:
+            raise ValueError(f"{len(embeds)} prompt embeddings for a batch of {batch} latents")
+        dtype = param_dtype(transformer)
+        x = list(latents.to(dtype).unsqueeze(2).unbind(dim=0))  # B x [C, 1, h, w]
+        text = embeds.embeds.to(dtype)
+        if embeds.mask is None:
+            caps = list(text.unbind(dim=0))
+        else:
+            caps = [text[i][embeds.mask[i].bool()] for i in range(batch)]
+        t = self._reversed_time(sigma.to(latents.device))
+        out = transformer(x, t, caps, return_dict=False)[0]
+        return -torch.stack(out, dim=0).squeeze(2)
+
+    def guidance_at(self, guidance_scale: float, sigma: torch.Tensor) -> float | torch.Tensor:
+        """``cfg_truncation`` <= 1: scale 0 where (1000 - t) / 1000 > cfg_truncation (the
+        pipeline's comparison, of the fp32 value as a Python float), else ``guidance_scale``."""
+        if self.cfg_truncation > 1:
+            return guidance_scale
+        t_norm = self._reversed_time(sigma).double()
+        cut = t_norm > self.cfg_truncation
+        return torch.where(cut, 0.0, float(guidance_scale)).float()
+
+    def guide(
+        self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """``pos + g (pos - neg)``; with ``cfg_normalization`` c > 0, a sample whose norm
+        exceeds c |pos| is scaled down to it (only where its scale g > 0, as the pipeline)."""
+        pred = v_cond + guidance_scale * (v_cond - v_uncond)
+        if self.cfg_normalization <= 0.0:
+            return pred
+        dims = tuple(range(1, pred.ndim))
+        shape = (-1,) + (1,) * (pred.ndim - 1)
+        pos_norm = torch.linalg.vector_norm(v_cond, dim=dims).view(shape)
+        new_norm = torch.linalg.vector_norm(pred, dim=dims).view(shape)
+        max_norm = pos_norm * self.cfg_normalization
+        clip = new_norm > max_norm
+        if isinstance(guidance_scale, torch.Tensor):
+            clip = clip & (guidance_scale.reshape(-1, *[1] * (pred.ndim - 1)) > 0)
+        return torch.where(clip, pred * (max_norm / new_norm), pred)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Latents -> images [B, 3, H, W] fp32 in [0, 1] on CPU (as output_type="pt")."""
+        vae = self.pipe.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+__all__ = ["ZImageAdapter"]
