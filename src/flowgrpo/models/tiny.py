@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
 TINY_KINDS = ("qwen_image", "sd3", "flux", "z_image")  # image pipelines
+TINY_KINDS += ("qwen_image21",)  # QwenImage21Pipeline: H, W multiples of 32 (VAE x16, 2x2 slots)
 TINY_VIDEO_KINDS = ("wan", "wan22")  # WanPipeline: Wan2.1-like, Wan2.2-like (two experts)
 TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
 
@@ -43,6 +44,18 @@ TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be mult
 SCHEDULER_CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen-Image
     "qwen_image": {
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 0.9,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 8192,
+        "shift_terminal": 0.02,
+        "time_shift_type": "exponential",
+    },
+    # the QwenImage21Pipeline's own calculate_shift defaults (the scheduler's config keys)
+    "qwen_image21": {
         "num_train_timesteps": 1000,
         "shift": 1.0,
         "use_dynamic_shifting": True,
@@ -170,6 +183,19 @@ TRANSFORMER_CONFIGS["z_image"] = {
     "cap_feat_dim": 32,  # = the Qwen3 text encoder's hidden size
     "axes_dims": (8, 12, 12),
     "axes_lens": (1024, 512, 512),
+}
+# Qwen-Image 2.1: single-stream block-causal, latents unpatched (4 tiny VAE channels, real 64)
+TRANSFORMER_CONFIGS["qwen_image21"] = {
+    "patch_size": 1,
+    "in_channels": 4,  # = the tiny VAE's z_dim
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 2,
+    "context_in_dim": 32,  # = the Qwen3-VL text hidden size
+    "mlp_ratio": 3,
+    "axes_dims_rope": (8, 12, 12),  # sums to attention_head_dim
+    "causal_condition": True,
 }
 
 # Words the tokenizers know whole; anything else falls back to smaller pieces.
@@ -785,6 +811,121 @@ def _build_z_image(tcfg: dict[str, Any], seeds) -> Any:
     )
 
 
+_QWEN3_VL_CHAT_TEMPLATE = (  # Qwen3-VL's template, text parts only (what the pipeline asks)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen3_vl_processor():
+    """Qwen3-VL processor: the Qwen BPE (trained in code) with the vision special tokens.
+
+    Without its video processor (which needs torchvision): text-to-image never reads it.
+    """
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
+
+    class Qwen3VLProcessorNoVideo(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(specials)}, merges=[])
+    pre = tok.backend_tokenizer.pre_tokenizer
+    texts = ["system\nComprehend and analyze the provided prompt.", "user\n", "assistant\n"]
+    words = [w for t in texts + _corpus() for w, _ in pre.pre_tokenize_str(t)]
+    merges = list(_train_bpe(tuple(words)))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Qwen2Tokenizer(
+        vocab=_bpe_vocab(specials + vision, alphabet, merges),
+        merges=merges,
+        extra_special_tokens=specials[1:] + vision,
+        model_max_length=32768,
+    )
+    return Qwen3VLProcessorNoVideo(
+        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2),
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=_QWEN3_VL_CHAT_TEMPLATE,
+    )
+
+
+def _build_qwen_image21(tcfg: dict[str, Any], seeds) -> Any:
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    processor = _qwen3_vl_processor()
+    tok = processor.tokenizer
+    hidden = tcfg["context_in_dim"]
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")}
+    torch.manual_seed(next(seeds))
+    text_cfg = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": hidden // 2,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [2, 3, 3],  # sums to head_dim / 2
+                "mrope_interleaved": True,
+            },
+            "pad_token_id": tok.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    text_encoder = Qwen3VLForConditionalGeneration(text_cfg)
+    torch.manual_seed(next(seeds))
+    z = tcfg["in_channels"]
+    vae = AutoencoderKLQwenImage21(  # 4 downsamplings: x16 as the real one
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=z,
+        dim_mult=[1, 1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, False, False, False],
+        latents_mean=[0.1 * i for i in range(z)],
+        latents_std=[1.0 + 0.5 * i for i in range(z)],
+    )
+    torch.manual_seed(next(seeds))
+    transformer = QwenImage21Transformer2DModel(**tcfg)
+    return QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["qwen_image21"]),
+        vae=vae,
+        text_encoder=text_encoder,
+        processor=processor,
+        transformer=transformer,
+    )
+
+
 _BUILDERS = {
     "qwen_image": _build_qwen_image,
     "sd3": _build_sd3,
@@ -795,6 +936,7 @@ _BUILDERS = {
     "flux2_klein": _build_flux2_klein,
     "z_image": _build_z_image,
 }
+_BUILDERS["qwen_image21"] = _build_qwen_image21
 _ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS
 
 

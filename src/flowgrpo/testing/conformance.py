@@ -198,6 +198,15 @@ FAMILIES: tuple[Family, ...] = (
         train_size=(32, 48),
         load_lora=_load_wan22_lora,
     ),
+    Family(  # the first two prompts of equal token length: the stock batch has no padding
+        "qwen_image21",
+        ((32, 64), (64, 32)),
+        size=(32, 64),
+        prompts=("a red cat", "a blue dog", "a photo of a big old house with a tree", "dog"),
+        negative=" ",
+        guidance_arg="true_cfg_scale",
+        train_size=(32, 32),
+    ),
     Family(
         "z_image",
         ((32, 48), (24, 16)),
