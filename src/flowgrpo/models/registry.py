@@ -23,6 +23,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
     "WanPipeline": "flowgrpo.models.wan:WanAdapter",
     "ToyDigitsPipeline": "flowgrpo.toy.pipeline:ToyAdapter",
+    "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:HunyuanVideo15Adapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)

@@ -56,7 +56,9 @@ class Family:
     ``__call__(latents=, output_type="latent")`` (the toy); ``x0_seed``: the SDE rollouts'
     initial latents from this seed (else drawn by the per-sample generators);
     ``rollout_check``: asserts on the SDE rollout (Wan2.2: its steps straddle the experts);
-    ``train_size`` / ``guidance``: the algorithm tests' image size and guidance scale.
+    ``train_size`` / ``guidance``: the algorithm tests' image size and guidance scale;
+    ``stock_guidance(pipe, scale)``: for a pipeline whose guidance is a component (a diffusers
+    guider), sets it and returns the call's guidance arguments (else ``guidance_arg``).
     """
 
     kind: str
@@ -84,6 +86,7 @@ class Family:
     guidance: float = 4.5
     make: Callable[[], Any] | None = None
     load_lora: Callable[[Any, Path], None] | None = None
+    stock_guidance: Callable[[Any, float], dict[str, Any]] | None = None
 
     def __str__(self) -> str:
         return self.kind
@@ -114,6 +117,22 @@ def _load_wan22_lora(pipe: Any, folder: Path) -> None:
     pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights.safetensors")
     pipe.load_lora_weights(
         folder, weight_name="pytorch_lora_weights_2.safetensors", load_into_transformer_2=True
+    )
+
+
+def _guider_scale(pipe: Any, guidance_scale: float) -> dict[str, Any]:
+    """A pipeline guided by its ``guider`` component: the scale is the guider's, not an
+    argument of the call."""
+    pipe.guider.guidance_scale = guidance_scale
+    return {}
+
+
+def _load_transformer_lora(pipe: Any, folder: Path) -> None:
+    """A pipeline without a LoRA loader: the export's file into its transformer by diffusers'
+    ``load_lora_adapter`` (``weight_name`` given: only then does it read the file's peft
+    config, alpha included)."""
+    pipe.transformer.load_lora_adapter(
+        folder, weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
     )
 
 
@@ -175,6 +194,18 @@ FAMILIES: tuple[Family, ...] = (
         bf16_via_load=True,
         train_size=(32, 48),
         load_lora=_load_wan22_lora,
+    ),
+    Family(
+        "hunyuan_video15",
+        ((32, 48), (48, 32)),
+        size=(32, 48),
+        prompts=("a red cat", 'a sign that says "hello world"', "dog", 'a "STOP" sign'),
+        num_frames=5,
+        sde_window=(1, 0, 3),
+        x0_seed=3,
+        train_size=(32, 48),
+        load_lora=_load_transformer_lora,
+        stock_guidance=_guider_scale,
     ),
 )
 
@@ -238,7 +269,11 @@ def check_noise0_matches_pipeline(
         num_inference_steps=steps,
         latents=latents.clone(),
         output_type="latent",
-        **{fam.guidance_arg: guidance_scale},
+        **(
+            {fam.guidance_arg: guidance_scale}
+            if fam.stock_guidance is None
+            else fam.stock_guidance(pipe, guidance_scale)
+        ),
         **call,
     )
     ref = out.frames if fam.num_frames is not None else out.images
