@@ -90,7 +90,7 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
     cfgs = {
         name: load_config(
             name,
-            real + ([f"reward.pickscore.options.path={tmp_path}"] if "flux" in name else [])
+            real + ([f"reward.pickscore.options.path={tmp_path}"] if "pickscore" in name else [])
             if name != "toy-digits"
             else [],
         )

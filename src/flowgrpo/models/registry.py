@@ -36,6 +36,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "qwen-image-ocr": ("QwenImagePipeline",),
     "flux-pickscore": ("FluxPipeline",),
     "wan-t2v-ocr": ("WanPipeline",),
+    "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
