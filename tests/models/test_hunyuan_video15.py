@@ -100,3 +100,34 @@ def test_schedule_is_the_pipelines(pipe):
     torch.testing.assert_close(schedule.sigmas[:-1].double(), shifted, atol=1e-7, rtol=0)
     assert float(schedule.sigmas[-1]) == 0.0
     torch.testing.assert_close(schedule.timesteps, schedule.sigmas[:-1] * 1000)
+
+
+def test_a_checkpoint_whose_unused_lora_weights_never_stepped_loads(dist1, tmp_path):
+    """The last block's text-stream output is discarded by the model: its LoRA weights get no
+    gradient and AdamW keeps no state for them; the checkpoint still loads (resume, export)."""
+    from flowgrpo.engine import (
+        DiffusersFSDPEngine,
+        EngineConfig,
+        LoraConfig,
+        load_checkpoint,
+        save_checkpoint,
+    )
+
+    def engine():
+        adapter = build_adapter(tiny_pipeline("hunyuan_video15"), num_frames=5)
+        return adapter, DiffusersFSDPEngine(adapter, EngineConfig(lora=LoraConfig(rank=2)))
+
+    adapter, trained = engine()
+    x = adapter.prepare_latents(1, 32, 48, torch.Generator().manual_seed(0))
+    embeds = adapter.encode_prompts(["a red cat"])
+    kw = dict(guidance_scale=1.0, height=32, width=48)
+    v = adapter.velocity(trained.transformer, x, torch.tensor([0.5]), embeds, **kw)
+    trained.backward(v.square().mean(), last=True)
+    trained.optimizer_step()
+    unused = [n for n, p in trained.model.named_parameters() if p.requires_grad and p.grad is None]
+    assert any("transformer_blocks.1.attn.to_add_out" in n for n in unused), unused
+    ckpt = save_checkpoint(trained, tmp_path, 1)
+    _, fresh = engine()
+    assert load_checkpoint(fresh, ckpt)[0] == 1
+    for (n, a), b in zip(trained.model.named_parameters(), fresh.model.parameters()):
+        assert torch.equal(a.detach(), b.detach()), n
