@@ -117,13 +117,14 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
 
 
 # Wan2.1 with Flow-GRPO only: Wan2.2 (wan22) runs the same transformer class as two experts
-# under every algorithm
+# under every algorithm; HunyuanVideo-1.5 with Flow-GRPO only (CI time: its other algorithms
+# were checked once, 2 ranks = 1 within 3e-8)
 CASES = [
     (a, k, m)
     for a in ALGORITHMS
     for k in KINDS
     for m in ("lora", "full")
-    if k != "wan" or a == "flow_grpo"
+    if k not in ("wan", "hunyuan_video15") or a == "flow_grpo"
 ]
 
 

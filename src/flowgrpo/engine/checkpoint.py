@@ -293,6 +293,21 @@ def _mismatch(path: Path, metadata: Any, state: dict[str, Any]) -> CheckpointMis
     return None
 
 
+def _drop_unsaved_optim_states(metadata: Any, state: dict[str, Any]) -> None:
+    """Leave out of the load the AdamW states of parameters that had none when saved: no
+    gradient ever reached them (a model output the model discards: AdamW skips a parameter
+    without a gradient), so they keep the fresh engine's unused state."""
+    prefix = "optim.state."
+    saved = {
+        k[len(prefix) :].rsplit(".", 1)[0]
+        for k in getattr(metadata, "state_dict_metadata", {})
+        if k.startswith(prefix)
+    }
+    optim = state.get("optim", {}).get("state", {})
+    for name in [n for n in optim if n not in saved]:
+        optim.pop(name)
+
+
 def _write_marker(tmp: Path) -> None:
     _write_text(tmp / MARKER, "ok\n")
 
@@ -496,6 +511,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     mismatch = _mismatch(path, metadata, state)
     if mismatch is not None:
         raise mismatch
+    _drop_unsaved_optim_states(metadata, state)
     try:
         dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyPlanner(path))
     except CheckpointException as e:  # DCP wraps every rank's error in a multi-line report;

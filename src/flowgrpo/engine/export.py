@@ -50,7 +50,9 @@ def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: st
     """Write the LoRA of ``model`` (peft, adapter "default") as diffusers'
     ``pytorch_lora_weights.safetensors`` (with the peft config as adapter metadata) that
     ``pipe.load_lora_weights(dir)`` loads; ``pipe_cls``: the pipeline's class, whose
-    ``save_lora_weights`` writes it. ``path`` is a directory, or a file name ending in
+    ``save_lora_weights`` writes it (a pipeline without one: diffusers' generic writer, the
+    same ``transformer.*`` keys, which ``pipe.transformer.load_lora_adapter(file,
+    prefix="transformer")`` loads). ``path`` is a directory, or a file name ending in
     .safetensors. Collective. Returns the file. A module of several components writes each
     one's file (``lora_file_name``) beside it."""
     path = Path(path)
@@ -59,8 +61,6 @@ def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: st
         if path.suffix == ".safetensors"
         else (path, "pytorch_lora_weights.safetensors")
     )
-    if not hasattr(pipe_cls, "save_lora_weights"):
-        raise TypeError(f"{pipe_cls.__name__} has no save_lora_weights: cannot export LoRA")
     state = full_state_dict(model, trainable_only=True)
     if dist.is_main:
         from peft.utils import get_peft_model_state_dict
@@ -72,12 +72,20 @@ def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: st
         parts = {"transformer": lora} if split is None else split(lora)
         file_name = getattr(model, "lora_file_name", None)
         for component, layers in parts.items():
-            pipe_cls.save_lora_weights(
-                folder,
-                transformer_lora_layers=layers,
-                transformer_lora_adapter_metadata=meta,
-                weight_name=name if file_name is None else file_name(name, component),
-            )
+            weight_name = name if file_name is None else file_name(name, component)
+            if hasattr(pipe_cls, "save_lora_weights"):
+                pipe_cls.save_lora_weights(
+                    folder,
+                    transformer_lora_layers=layers,
+                    transformer_lora_adapter_metadata=meta,
+                    weight_name=weight_name,
+                )
+            else:  # no LoRA loader in diffusers: the same file, by its generic writer
+                from diffusers.loaders.lora_base import LoraBaseMixin
+
+                LoraBaseMixin._save_lora_weights(
+                    folder, {"transformer": layers}, {"transformer": meta}, weight_name=weight_name
+                )
     fdist.barrier()
     return folder / name
 

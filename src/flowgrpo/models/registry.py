@@ -27,6 +27,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "Flux2KleinPipeline": "flowgrpo.models.flux2:Flux2KleinAdapter",
     "ZImagePipeline": "flowgrpo.models.zimage:ZImageAdapter",
     "QwenImage21Pipeline": "flowgrpo.models.qwen_image21:QwenImage21Adapter",
+    "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:HunyuanVideo15Adapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
@@ -44,6 +45,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "z-image-pickscore": ("ZImagePipeline",),
     "z-image-turbo-pickscore": ("ZImagePipeline",),
     "qwen-image-21-pickscore": ("QwenImage21Pipeline",),
+    "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of

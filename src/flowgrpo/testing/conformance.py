@@ -62,6 +62,8 @@ class Family:
     ``stock_negative``: False for a pipeline that takes no ``negative_prompt`` (it uses its
     own, which ``negative`` must equal); ``train_options``: adapter options of the algorithm
     tests (a short text length for a family whose default is long).
+    ``stock_guidance(pipe, scale)``: for a pipeline whose guidance is a component (a diffusers
+    guider), sets it and returns the call's guidance arguments (else ``guidance_arg``).
     """
 
     kind: str
@@ -92,6 +94,7 @@ class Family:
     stock_layout: Callable[[Any, torch.Tensor, tuple[int, int]], torch.Tensor] | None = None
     stock_negative: bool = True
     train_options: dict[str, Any] = field(default_factory=dict)
+    stock_guidance: Callable[[Any, float], dict[str, Any]] | None = None
 
     def __str__(self) -> str:
         return self.kind
@@ -137,6 +140,20 @@ def _flux2_klein_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int,
     mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
     std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
     return pipe._unpatchify_latents(latents * std + mean)
+def _guider_scale(pipe: Any, guidance_scale: float) -> dict[str, Any]:
+    """A pipeline guided by its ``guider`` component: the scale is the guider's, not an
+    argument of the call."""
+    pipe.guider.guidance_scale = guidance_scale
+    return {}
+
+
+def _load_transformer_lora(pipe: Any, folder: Path) -> None:
+    """A pipeline without a LoRA loader: the export's file into its transformer by diffusers'
+    ``load_lora_adapter`` (``weight_name`` given: only then does it read the file's peft
+    config, alpha included)."""
+    pipe.transformer.load_lora_adapter(
+        folder, weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
+    )
 
 
 # One line per family: adding a family to the package adds its line here.
@@ -234,6 +251,18 @@ FAMILIES: tuple[Family, ...] = (
         stock_layout=_flux2_klein_stock_layout,
         stock_negative=False,  # the pipeline's negative prompt is always ""
     ),
+    Family(
+        "hunyuan_video15",
+        ((32, 48), (48, 32)),
+        size=(32, 48),
+        prompts=("a red cat", 'a sign that says "hello world"', "dog", 'a "STOP" sign'),
+        num_frames=5,
+        sde_window=(1, 0, 3),
+        x0_seed=3,
+        train_size=(32, 48),
+        load_lora=_load_transformer_lora,
+        stock_guidance=_guider_scale,
+    ),
 )
 
 
@@ -296,7 +325,11 @@ def check_noise0_matches_pipeline(
         num_inference_steps=steps,
         latents=latents.clone(),
         output_type="latent",
-        **{fam.guidance_arg: guidance_scale},
+        **(
+            {fam.guidance_arg: guidance_scale}
+            if fam.stock_guidance is None
+            else fam.stock_guidance(pipe, guidance_scale)
+        ),
         **call,
     )
     ref = out.frames if fam.num_frames is not None else out.images
