@@ -23,6 +23,8 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "FluxPipeline": "flowgrpo.models.flux:FluxAdapter",
     "WanPipeline": "flowgrpo.models.wan:WanAdapter",
     "ToyDigitsPipeline": "flowgrpo.toy.pipeline:ToyAdapter",
+    "QwenImageEditPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditAdapter",
+    "QwenImageEditPlusPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditPlusAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
