@@ -43,6 +43,31 @@ def to_pil(image: torch.Tensor) -> Any:
     return Image.fromarray(np.ascontiguousarray(arr.permute(1, 2, 0).cpu().numpy()))
 
 
+def vl_processor(image_processor: Any, tokenizer: Any) -> Any:
+    """Qwen2-VL's processor (the class the edit pipelines declare) of ``image_processor`` and ``tokenizer`` without its video
+    processor: transformers 5 makes that one with torchvision, which this project does not
+    install (DESIGN.md), and the edit pipelines pass images only. Its ``save_pretrained``
+    writes the image processor and the tokenizer, which ``load_components`` reads back."""
+    from unittest import mock
+
+    from transformers import Qwen2VLProcessor
+
+    # the class check resolves the video processor's class, which imports torchvision
+    with mock.patch.object(
+        Qwen2VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None
+    ):
+        proc = Qwen2VLProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, video_processor=None
+        )
+
+    def save_pretrained(folder: Any, **kwargs: Any) -> None:
+        image_processor.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    proc.save_pretrained = save_pretrained  # diffusers' save_pretrained calls this
+    return proc
+
+
 class QwenImageEditAdapter(QwenImageAdapter):
     """Adapter for ``diffusers.QwenImageEditPipeline``: one source image per prompt."""
 
@@ -54,6 +79,24 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def __init__(self, pipe: Any):
         super().__init__(pipe, max_sequence_length=1024)
         self._memo: dict[int, Any] | None = None
+
+    @classmethod
+    def load_components(cls, root: Any) -> dict[str, Any]:
+        """The ``processor`` built from the folder's image processor and tokenizer files
+        (``vl_processor``): loading it whole needs torchvision for its video part."""
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        folder = Path(root) / "processor"
+        if not folder.is_dir():
+            return {}
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return {"processor": vl_processor(image_processor, tokenizer)}
 
     @staticmethod
     def _dims(area: int, image: Any) -> tuple[int, int]:
@@ -251,4 +294,4 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         return both.embeds, both.mask
 
 
-__all__ = ["QwenImageEditAdapter", "QwenImageEditPlusAdapter", "to_pil"]
+__all__ = ["QwenImageEditAdapter", "QwenImageEditPlusAdapter", "to_pil", "vl_processor"]

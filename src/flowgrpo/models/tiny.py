@@ -502,14 +502,13 @@ def _build_wan22(tcfg: dict[str, Any], seeds) -> Any:
 
 def _qwen_vl_processor(tok: Any) -> Any:
     """Qwen2.5-VL's processor built in code: the PIL image processor (patch 14, merge 2, at
-    most 4 x 56² pixels: a few vision tokens per image) and ``tok``. Its video processor needs
-    torchvision, which this project does not install: it is left out (no video inputs)."""
-    from unittest import mock
-
-    from transformers import Qwen2_5_VLProcessor
+    most 4 x 56² pixels: a few vision tokens per image) and ``tok``; no video processor
+    (``qwen_image_edit.vl_processor``)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
+
+    from flowgrpo.models.qwen_image_edit import vl_processor
 
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": 56 * 56, "longest_edge": 4 * 56 * 56},
@@ -517,13 +516,7 @@ def _qwen_vl_processor(tok: Any) -> Any:
         temporal_patch_size=2,
         merge_size=2,
     )
-    # the class check resolves the video processor's class, which imports torchvision
-    with mock.patch.object(
-        Qwen2_5_VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None
-    ):
-        return Qwen2_5_VLProcessor(
-            image_processor=image_processor, tokenizer=tok, video_processor=None
-        )
+    return vl_processor(image_processor, tok)
 
 
 def _build_qwen_image_edit(tcfg: dict[str, Any], seeds, plus: bool = False) -> Any:
