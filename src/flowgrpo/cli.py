@@ -158,19 +158,37 @@ def _cmd_config_list(args: argparse.Namespace) -> int:
 def _cmd_sample(args: argparse.Namespace) -> int:
     from flowgrpo.config import ConfigError
 
+    images = None
     if args.prompts:
         prompts = list(args.prompts)
-    elif args.prompt_file:
-        from flowgrpo.data.prompts import load_prompts
+        if args.image:
+            from pathlib import Path
 
-        prompts = load_prompts(args.prompt_file).prompts
+            from flowgrpo.data.prompts import load_image
+
+            for f in args.image:
+                if not Path(f).is_file():
+                    raise ConfigError(f"--image {f}: not found")
+            try:
+                row = [load_image(f) for f in args.image]
+            except Exception as e:  # noqa: BLE001 - any decoder failure is the file's
+                raise ConfigError(
+                    f"--image: cannot decode {args.image} ({type(e).__name__})"
+                ) from None
+            images = [list(row) for _ in prompts]
+    elif args.prompt_file:
+        from flowgrpo.data.prompts import load_prompts, source_images
+
+        ds = load_prompts(args.prompt_file)
+        prompts = ds.prompts
+        images = source_images(ds.select(range(len(ds)))[1])
     else:
         raise ConfigError("flowgrpo sample needs --prompts TEXT ... or --prompt-file FILE")
     cfg = _config_of_checkpoint(args, "sample")
     from flowgrpo.trainer.loop import run_sample
 
     def job() -> None:
-        paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out)
+        paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out, images)
         if _is_main_rank():
             print(f"wrote {len(paths)} sample(s) to {args.out}")
 
@@ -308,6 +326,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="prompts, one image each (put KEY=VALUE overrides before this option)",
     )
     p.add_argument("--prompt-file", metavar="FILE", help=".txt / .jsonl / .parquet of prompts")
+    p.add_argument(
+        "--image",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="source image(s) of every --prompts prompt (editing models; a .jsonl's records "
+        "name their own)",
+    )
     p.add_argument("--out", default="samples", metavar="DIR", help="output folder (samples)")
     p.set_defaults(func=_cmd_sample)
 

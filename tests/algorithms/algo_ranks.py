@@ -3,6 +3,8 @@ algorithm tests' worker; a spawned job runs every case in one process per rank).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from flowgrpo.algorithms import ALGORITHMS as REGISTERED
@@ -13,7 +15,9 @@ from flowgrpo.testing.ranks import rank_env
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
 # every family of the conformance suite, at its training size (videos: 5 frames = 2 latent)
-KINDS = tuple(f.kind for f in FAMILIES)
+# (FLOWGRPO_TEST_KINDS=a,b narrows a local run to those families; CI runs every one)
+_ONLY = {k for k in os.environ.get("FLOWGRPO_TEST_KINDS", "").split(",") if k}
+KINDS = tuple(f.kind for f in FAMILIES if not _ONLY or f.kind in _ONLY)
 SIZES = {f.kind: f.train_size for f in FAMILIES}
 FRAMES = {f.kind: f.num_frames for f in FAMILIES if f.num_frames is not None}
 ALGORITHMS = tuple(REGISTERED)  # every registered algorithm
@@ -90,6 +94,7 @@ def run(
             ode_solver=plan.ode_solver,
             record_means=plan.record_means,
             decode=False,
+            images=edit_images(kind, mine),
         )
     seeds = [sample_seed(cfg.seed, 1, i) for i in mine]
     metrics = algo.update(traj, advantages[mine], step=1, sample_seeds=seeds)
@@ -98,6 +103,12 @@ def run(
         "metrics": metrics,
         "steps": traj.step_indices.cpu(),
     }
+
+
+def edit_images(kind: str, rows: list[int]):
+    """An editing family's source images of samples ``rows`` (its conformance sources)."""
+    fam = family(kind)
+    return fam.source_images([fam.prompts[i] for i in rows])
 
 
 def frames_option(kind: str) -> dict[str, int]:

@@ -113,6 +113,49 @@ def _check_reward_paths(cfg: Config) -> None:
                     )
 
 
+def _edits(model_path: str) -> tuple[str, bool] | None:
+    """(pipeline class, whether its adapter edits images) of ``model_path``; None when not
+    known here (not a pipeline folder, no adapter: loading it says so)."""
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter, read_model_index
+
+    try:
+        name = read_model_index(model_path).get("_class_name")
+    except (OSError, ValueError):
+        return None
+    if name not in SUPPORTED_PIPELINES:
+        return None
+    return name, bool(getattr(import_adapter(SUPPORTED_PIPELINES[name]), "edits", False))
+
+
+def _check_source_images(cfg: Config, key: str, path: str) -> None:
+    """Every source image of the prompt file decodes, and the records fit the model: source
+    images for an editing model, none for a text-to-image one (first culprit's file:line)."""
+    from flowgrpo.data.prompts import load_prompts
+
+    try:
+        ds = load_prompts(path)
+    except ValueError as e:
+        raise ConfigError(f"config key {key!r}: {e}") from None
+    if not ds.has_images and not cfg.model.path:
+        return
+    known = _edits(cfg.model.path) if cfg.model.path else None
+    if known is None:
+        return
+    name, edits = known
+    for where, images in zip(ds.locations, ds.images, strict=True):
+        if edits and not images:
+            raise ConfigError(
+                f"config key {key!r}: {where}: no 'image' or 'images' field, but model.path "
+                f"holds a {name}, which edits images: every record needs its source image(s)"
+            )
+        if images and not edits:
+            raise ConfigError(
+                f"config key {key!r}: {where}: the record has source images, but model.path "
+                f"holds a {name}, which generates from text: use an editing model or drop "
+                "the images"
+            )
+
+
 def _check_model_size(cfg: Config) -> None:
     """model.height / width / num_frames against the family's rule (its config files only, no
     weights): a size the model would round or fail on is a one-line error here."""
@@ -154,6 +197,7 @@ def _check_paths(cfg: Config, command: str) -> None:
             skip = command == "eval" and key == "train_prompts" and d.eval_prompts
             if path and not path.startswith(BUILTIN) and not skip:
                 _check_prompt_file(f"data.{key}", path)
+                _check_source_images(cfg, f"data.{key}", path)
         for r in cfg.reward:
             if r.name in PATH_REWARDS and not r.options.get("path"):
                 raise ConfigError(

@@ -2,7 +2,10 @@
 
 Files: ``.txt`` (one prompt a line, blank lines skipped), ``.jsonl`` (a ``prompt`` field; every
 other field goes to the prompt's metadata dict, which rewards receive, e.g. an OCR target) and
-``.parquet`` (same columns; needs pyarrow); ``builtin:NAME`` names a set shipped in the package
+``.parquet`` (same columns; needs pyarrow); editing: a record's ``image`` (a path relative to
+the file) or ``images`` (a list of them) names its source images, each checked to decode when
+the file loads; ``select`` gives them to the sample's metadata as ``source_images``, a list of
+[3, H, W] tensors in [0, 1]; ``builtin:NAME`` names a set shipped in the package
 (``builtin:digits``, the toy's).
 
 ``KRepeatSampler``: each step draws m prompts (epoch-wise shuffles without replacement), repeats
@@ -31,19 +34,23 @@ _SALT_SPLIT = 0x5A117  # stream of the train/eval split
 @dataclass
 class PromptDataset:
     """Prompts with one metadata dict each; ``source`` names where they came from and
-    ``locations`` where each row did ("file:line"), for errors that name the culprit."""
+    ``locations`` where each row did ("file:line"), for errors that name the culprit;
+    ``images`` each row's source image paths (editing; empty tuples: text only)."""
 
     prompts: list[str]
     metadata: list[dict[str, Any]] = field(default_factory=list)
     source: str = "<memory>"
     locations: list[str] = field(default_factory=list)
+    images: list[tuple[str, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.metadata:
             self.metadata = [{} for _ in self.prompts]
+        if not self.images:
+            self.images = [() for _ in self.prompts]
         if not self.locations:
             self.locations = [f"{self.source} prompt {i + 1}" for i in range(len(self.prompts))]
-        if not len(self.metadata) == len(self.locations) == len(self.prompts):
+        if not len(self.metadata) == len(self.locations) == len(self.images) == len(self.prompts):
             raise ValueError(
                 f"{self.source}: {len(self.prompts)} prompts but {len(self.metadata)} metadata"
             )
@@ -54,13 +61,76 @@ class PromptDataset:
     def __getitem__(self, i: int) -> tuple[str, dict[str, Any]]:
         return self.prompts[i], self.metadata[i]
 
+    @property
+    def has_images(self) -> bool:
+        """True when any row carries source images (an editing data set)."""
+        return any(self.images)
+
     def select(self, indices: Sequence[int]) -> tuple[list[str], list[dict[str, Any]]]:
-        """(prompts, metadata copies) at ``indices`` (repeats allowed)."""
-        return [self.prompts[i] for i in indices], [dict(self.metadata[i]) for i in indices]
+        """(prompts, metadata copies) at ``indices`` (repeats allowed); a row with source
+        images gets them decoded as ``metadata["source_images"]`` ([3, H, W] in [0, 1])."""
+        meta = []
+        for i in indices:
+            m = dict(self.metadata[i])
+            if self.images[i]:
+                m["source_images"] = [load_image(p) for p in self.images[i]]
+            meta.append(m)
+        return [self.prompts[i] for i in indices], meta
 
     def subset(self, indices: Sequence[int]) -> PromptDataset:
-        p, m = self.select(indices)
-        return PromptDataset(p, m, self.source, [self.locations[i] for i in indices])
+        p = [self.prompts[i] for i in indices]
+        m = [dict(self.metadata[i]) for i in indices]
+        return PromptDataset(
+            p,
+            m,
+            self.source,
+            [self.locations[i] for i in indices],
+            [self.images[i] for i in indices],
+        )
+
+
+def load_image(path: str | Path) -> Any:
+    """An image file as a [3, H, W] float32 tensor in [0, 1] (RGB)."""
+    import torch
+    from PIL import Image
+
+    with Image.open(path) as im:
+        arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+def source_images(metadata: Sequence[dict[str, Any]]) -> list[list[Any]] | None:
+    """Each sample's ``source_images`` (editing), or None when no sample has any."""
+    rows = [list(m.get("source_images") or []) for m in metadata]
+    return rows if any(rows) else None
+
+
+def _image_paths(row: dict[str, Any], base: Path, where: str) -> tuple[str, ...]:
+    """A record's ``image`` / ``images`` as checked absolute paths (each decodes)."""
+    if "image" in row and "images" in row:
+        raise ValueError(f"{where}: give 'image' or 'images', not both")
+    raw = row.get("image", row.get("images"))
+    if raw is None:
+        return ()
+    names = [raw] if isinstance(raw, str) else raw
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"{where}: 'image' must be a path and 'images' a non-empty list of paths, got {raw!r}"
+        )
+    out = []
+    for name in names:
+        p = (base / name).expanduser()
+        if not p.is_file():
+            raise ValueError(f"{where}: image {p} not found")
+        try:
+            from PIL import Image
+
+            with Image.open(p) as im:
+                im.load()
+        except Exception as e:  # noqa: BLE001 - any decoder failure is the file's
+            raise ValueError(f"{where}: image {p} cannot be decoded ({type(e).__name__})") from None
+        out.append(str(p))
+    return tuple(out)
 
 
 #: prompt sets shipped in the package: ``builtin:NAME`` -> a function returning the dataset
@@ -96,7 +166,7 @@ def read_text(path: str | Path) -> str:
 
 def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptDataset:
     """rows: (line or row number, record) -> dataset; errors name ``path`` and the number."""
-    prompts, meta, where_all = [], [], []
+    prompts, meta, where_all, images = [], [], [], []
     for n, row in rows:
         where = f"{path}:{n}" if unit == "line" else f"{path} row {n}"
         where_all.append(where)
@@ -109,7 +179,8 @@ def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptD
             raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
         prompts.append(prompt)
         meta.append({k: v for k, v in row.items() if k != "prompt"})
-    return PromptDataset(prompts, meta, str(path), where_all)
+        images.append(_image_paths(row, path.parent, where))
+    return PromptDataset(prompts, meta, str(path), where_all, images)
 
 
 def _load_jsonl(path: Path) -> PromptDataset:
@@ -316,9 +387,11 @@ __all__ = [
     "PromptDataset",
     "builtin_prompts",
     "check_divides",
+    "load_image",
     "load_prompts",
     "rank_slice",
     "prompt_splits",
     "repeat_for_eval",
+    "source_images",
     "split_dataset",
 ]

@@ -23,11 +23,18 @@ class PromptEmbeds:
 
     embeds: [B, L, D]; mask: [B, L] (1 = real token, left-aligned) or None when the model
     attends to all L tokens; pooled: [B, P] or None.
+
+    Editing (source images are conditioning): ``image_latents`` [B, S, C] are the source
+    images' encoded tokens (never noised, never trained), ``image_shapes`` their layout,
+    shared by the batch (a family's own meaning, e.g. one (frames, h, w) per source image).
+    They ride with the prompt embeddings so that the training pass sees what the rollout saw.
     """
 
     embeds: torch.Tensor
     mask: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+    image_latents: torch.Tensor | None = None
+    image_shapes: tuple | None = None
 
     def __len__(self) -> int:
         return self.embeds.shape[0]
@@ -41,7 +48,8 @@ class PromptEmbeds:
         else:
             embeds, mask = self.embeds[index], None
         pooled = self.pooled[index] if self.pooled is not None else None
-        return PromptEmbeds(embeds, mask, pooled)
+        images = self.image_latents[index] if self.image_latents is not None else None
+        return PromptEmbeds(embeds, mask, pooled, images, self.image_shapes)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         """Move (and cast floating tensors; masks keep their dtype)."""
@@ -51,7 +59,13 @@ class PromptEmbeds:
                 return None
             return t.to(device=device, dtype=dtype if cast else None)
 
-        return PromptEmbeds(mv(self.embeds, True), mv(self.mask, False), mv(self.pooled, True))
+        return PromptEmbeds(
+            mv(self.embeds, True),
+            mv(self.mask, False),
+            mv(self.pooled, True),
+            mv(self.image_latents, True),
+            self.image_shapes,
+        )
 
     @staticmethod
     def cat(parts: list[PromptEmbeds]) -> PromptEmbeds:
@@ -74,7 +88,16 @@ class PromptEmbeds:
         if parts[0].pooled is not None:
             pooled = torch.cat([p.pooled for p in parts])
         mask = torch.cat(masks) if has_mask else None
-        return PromptEmbeds(torch.cat(embeds), mask, pooled)
+        images = None
+        if parts[0].image_latents is not None:
+            shapes = {p.image_shapes for p in parts}
+            if len(shapes) > 1 or any(p.image_latents is None for p in parts):
+                raise ValueError(
+                    f"cannot batch source images of different sizes ({sorted(map(str, shapes))}): "
+                    "give the samples of a batch source images of one size"
+                )
+            images = torch.cat([p.image_latents for p in parts])
+        return PromptEmbeds(torch.cat(embeds), mask, pooled, images, parts[0].image_shapes)
 
 
 #: how the guidance gradient flows in training: "both" branches (exact, the default) or
@@ -186,6 +209,10 @@ class DiffusionAdapter(ABC):
     #: loggers of the pipeline's prompt encoders that warn about truncated prompts (the
     #: trainer drops the warning when nothing but blanks was cut: ``trainer/quiet.py``)
     truncation_loggers: tuple[str, ...] = ()
+    #: an editing family: every prompt comes with source images (``encode(images=...)``),
+    #: which ``encode_prompts(prompts, images)`` turns into conditioning (``PromptEmbeds``'s
+    #: ``image_latents``); a text-to-image family takes none
+    edits: bool = False
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
@@ -317,17 +344,47 @@ class DiffusionAdapter(ABC):
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     # -- shared ------------------------------------------------------------------------------
+    def check_images(self, images: Any, batch: int) -> None:
+        """ValueError (one line) unless ``images`` fits this family: for an editing family a
+        list of ``batch`` lists of source images ([3, H, W] tensors in [0, 1]), one or more
+        each; for a text-to-image family None."""
+        name = type(self).__name__
+        if not self.edits:
+            if images is not None and any(images):
+                raise ValueError(
+                    f"{name} generates from text: source images apply to editing models only"
+                )
+            return
+        if images is None or len(images) != batch or not all(images):
+            raise ValueError(f"{name} edits images: every prompt needs its source image(s)")
+        for row in images:
+            for im in row:
+                if not (isinstance(im, torch.Tensor) and im.ndim == 3 and im.shape[0] == 3):
+                    raise ValueError(
+                        f"{name}: a source image must be a [3, H, W] tensor in [0, 1], got "
+                        f"{getattr(im, 'shape', type(im).__name__)}"
+                    )
+
     def encode(
         self,
         prompts: list[str],
         negative_prompts: list[str] | None = None,
         *,
         guidance_scale: float = 1.0,
+        images: list[list[torch.Tensor]] | None = None,
     ) -> tuple[PromptEmbeds, PromptEmbeds | None]:
         """Positive embeddings and, when guidance is on, the negative ones
         (``default_negative_prompt`` for each prompt when none are given). With a
-        ``prompt_cache``, each prompt's embeddings come from it (encoded alone, once)."""
-        encode = self.encode_prompts if self.prompt_cache is None else self.prompt_cache.encode
+        ``prompt_cache``, each prompt's embeddings come from it (encoded alone, once).
+        An editing family (``edits``) takes each prompt's source ``images`` and encodes them
+        with both (never cached: the embeddings depend on the image)."""
+        self.check_images(images, len(prompts))
+        if self.edits:
+            encode = lambda texts: self.encode_prompts(texts, images)  # noqa: E731
+        elif self.prompt_cache is None:
+            encode = self.encode_prompts
+        else:
+            encode = self.prompt_cache.encode
         embeds = encode(list(prompts))
         if not self.uses_cfg(guidance_scale):
             return embeds, None

@@ -28,6 +28,8 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "ZImagePipeline": "flowgrpo.models.zimage:ZImageAdapter",
     "QwenImage21Pipeline": "flowgrpo.models.qwen_image21:QwenImage21Adapter",
     "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:HunyuanVideo15Adapter",
+    "QwenImageEditPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditAdapter",
+    "QwenImageEditPlusPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditPlusAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
@@ -215,7 +217,8 @@ def load_pipeline(
 
     The pipeline class named in ``model_index.json`` is checked before any weight is read.
     A class diffusers does not ship (``ToyDigitsPipeline``) is taken from its adapter's module.
-    An adapter's optional ``prepare_pipeline(pipe)`` is applied last (Wan: the hub's UniPC
+    An adapter's optional ``load_components(root)`` gives components it builds itself (passed
+    to ``from_pretrained``); its optional ``prepare_pipeline(pipe)`` is applied last (Wan: the hub's UniPC
     scheduler becomes the flow-matching Euler scheduler with the same shift).
 
     ``empty_trained``: the components the adapter trains (``trained_components``) are built
@@ -246,6 +249,10 @@ def load_pipeline(
         kwargs.update(
             _empty_components(root, index, adapter_cls.trained_components(index), torch_dtype)
         )
+    # components the adapter builds itself (Qwen-Image-Edit: its VL processor)
+    own = getattr(adapter_cls, "load_components", None)
+    if own is not None:
+        kwargs.update(own(root))
     pipe = cls.from_pretrained(str(root), **kwargs)
     prepare = getattr(adapter_cls, "prepare_pipeline", None)
     return pipe if prepare is None else prepare(pipe)

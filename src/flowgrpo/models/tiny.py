@@ -1057,6 +1057,114 @@ def _build_hunyuan_video15(tcfg: dict[str, Any], seeds) -> Any:
     return pipe
 
 
+def _qwen_vl_processor(tok: Any) -> Any:
+    """Qwen2.5-VL's processor built in code: the PIL image processor (patch 14, merge 2, at
+    most 4 x 56² pixels: a few vision tokens per image) and ``tok``; no video processor
+    (``qwen_image_edit.vl_processor``)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from flowgrpo.models.qwen_image_edit import vl_processor
+
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 56 * 56, "longest_edge": 4 * 56 * 56},
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+    return vl_processor(image_processor, tok)
+
+
+def _build_qwen_image_edit(tcfg: dict[str, Any], seeds, plus: bool = False) -> Any:
+    """Qwen-Image-Edit(-Plus): the Qwen-Image tiny with the vision tokens in the tokenizer, a
+    one-block vision tower, the VL processor, and a VAE of spatial factor 32 (5 downsamplings,
+    no residual blocks): the pipelines resize every source image to ~1024² pixels, which this
+    VAE encodes in ~1.5 s on one CPU thread into 32 x 32 latents (256 source tokens). Sizes:
+    multiples of 64."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImageEditPlusPipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = _qwen_tokenizer()
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_tokens(vision, special_tokens=True)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in vision}
+    hidden = tcfg["joint_attention_dim"]
+    half = hidden // 4
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    torch.manual_seed(next(seeds))
+    text_cfg = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"mrope_section": mrope, "rope_type": "default"},
+            "rope_theta": 1000000.0,
+            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tok.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [0],
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(text_cfg)
+    torch.manual_seed(next(seeds))
+    vae = AutoencoderKLQwenImage(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1, 1, 1],
+        num_res_blocks=0,
+        temperal_downsample=[False] * 5,
+        latents_mean=[-0.2, 0.1, 0.0, 0.3],
+        latents_std=[1.5, 2.0, 2.5, 3.0],
+    )
+    torch.manual_seed(next(seeds))
+    transformer = QwenImageTransformer2DModel(**tcfg)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["qwen_image"])
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    return cls(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        processor=_qwen_vl_processor(tok),
+        transformer=transformer,
+    )
+
+
+def _build_qwen_image_edit_plus(tcfg: dict[str, Any], seeds) -> Any:
+    return _build_qwen_image_edit(tcfg, seeds, plus=True)
+
+
+TRANSFORMER_CONFIGS["qwen_image_edit"] = dict(TRANSFORMER_CONFIGS["qwen_image"])
+TRANSFORMER_CONFIGS["qwen_image_edit_plus"] = dict(TRANSFORMER_CONFIGS["qwen_image"])
+#: editing pipelines (source images are conditioning); sizes: multiples of 64
+TINY_EDIT_KINDS = ("qwen_image_edit", "qwen_image_edit_plus")
+
 _BUILDERS = {
     "qwen_image": _build_qwen_image,
     "sd3": _build_sd3,
@@ -1067,9 +1175,11 @@ _BUILDERS = {
     "flux2_klein": _build_flux2_klein,
     "z_image": _build_z_image,
     "hunyuan_video15": _build_hunyuan_video15,
+    "qwen_image_edit": _build_qwen_image_edit,
+    "qwen_image_edit_plus": _build_qwen_image_edit_plus,
 }
 _BUILDERS["qwen_image21"] = _build_qwen_image21
-_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS
+_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
@@ -1111,4 +1221,6 @@ def tiny_size(kind: str) -> tuple[int, int]:
     """
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {_ALL_KINDS}")
+    if kind in TINY_EDIT_KINDS:  # VAE factor 32 x 2x2 packing
+        return 64, 128
     return 32, 48

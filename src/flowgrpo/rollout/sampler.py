@@ -271,6 +271,7 @@ def sample_trajectories(
     ode_solver: str = "euler",
     record_means: bool = False,
     init_generator: Generators = None,
+    images: list[list[torch.Tensor]] | None = None,
 ) -> Trajectory:
     """Generate B = len(prompts) images (videos of ``num_frames`` frames for video adapters,
     whose default applies when None) and record the K trained SDE steps of each.
@@ -285,6 +286,8 @@ def sample_trajectories(
     one generator per sample: a sample is then reproducible in any batch. ``init_generator``
     (default: ``generator``) draws the initial latents when ``latents`` is None: one generator
     per group seed gives every sample of a group the same starting noise (``sample.same_latent``).
+    ``images``: an editing adapter's source images, one list of [3, H, W] tensors in [0, 1]
+    per prompt; encoded once with the prompts and recorded in ``prompt_embeds``.
     """
     if ode_solver not in ("euler", "dpm2"):
         raise ValueError(f"ode_solver must be 'euler' or 'dpm2', got {ode_solver!r}")
@@ -294,7 +297,9 @@ def sample_trajectories(
         raise ValueError(f"got {len(generator)} generators for {batch} prompts")
     num_frames = adapter.check_num_frames(num_frames)  # None for image adapters
     video = {} if num_frames is None else {"num_frames": num_frames}
-    embeds, negative = adapter.encode(prompts, negative_prompts, guidance_scale=guidance_scale)
+    embeds, negative = adapter.encode(
+        prompts, negative_prompts, guidance_scale=guidance_scale, images=images
+    )
     if sigmas is None:
         schedule = adapter.schedule(num_steps, height, width)
         sigmas, timesteps = schedule.sigmas.float().cpu(), schedule.timesteps.float().cpu()

@@ -64,6 +64,10 @@ class Family:
     tests (a short text length for a family whose default is long).
     ``stock_guidance(pipe, scale)``: for a pipeline whose guidance is a component (a diffusers
     guider), sets it and returns the call's guidance arguments (else ``guidance_arg``).
+    Editing families: ``sources()`` gives each of ``prompts`` its source images (PIL, in
+    order): the stock pipeline gets them as ``image=``, the rollout as tensors in [0, 1];
+    ``stock_batch`` False calls the stock pipeline one prompt at a time (Edit-Plus takes
+    batch 1; a single PIL image is the pipelines' documented call).
     """
 
     kind: str
@@ -95,6 +99,22 @@ class Family:
     stock_negative: bool = True
     train_options: dict[str, Any] = field(default_factory=dict)
     stock_guidance: Callable[[Any, float], dict[str, Any]] | None = None
+    sources: Callable[[], list[list[Any]]] | None = None
+    stock_batch: bool = True
+
+    def source_images(self, prompts: Sequence[str]) -> list[list[torch.Tensor]] | None:
+        """The rollout's ``images=`` for ``prompts`` (each one of ``self.prompts``): its
+        sources as [3, H, W] tensors in [0, 1]; None for a text-to-image family."""
+        if self.sources is None:
+            return None
+        import numpy as np
+
+        table = self.sources()
+        rows = [table[self.prompts.index(p)] for p in prompts]
+        return [
+            [torch.from_numpy(np.asarray(im, dtype=np.float32) / 255).permute(2, 0, 1) for im in r]
+            for r in rows
+        ]
 
     def __str__(self) -> str:
         return self.kind
@@ -112,6 +132,25 @@ class Family:
         from flowgrpo.models import build_adapter
 
         return build_adapter(pipe, **self.options, **(self.cfg_options if cfg else {}))
+
+
+def _random_image(seed: int, height: int, width: int) -> Any:
+    """A random RGB PIL image (a source image for the editing families)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _one_source() -> list[list[Any]]:
+    """Qwen-Image-Edit: one square source per prompt (resized to 1024² by the pipeline)."""
+    return [[_random_image(i, 40, 40)] for i in range(4)]
+
+
+def _two_sources() -> list[list[Any]]:
+    """Qwen-Image-Edit-Plus: two sources per prompt, square and 2:1 (1024² and 1440 x 736)."""
+    return [[_random_image(i, 40, 40), _random_image(10 + i, 40, 80)] for i in range(4)]
 
 
 def _straddles_wan22_boundary(traj: Any) -> None:
@@ -263,6 +302,28 @@ FAMILIES: tuple[Family, ...] = (
         load_lora=_load_transformer_lora,
         stock_guidance=_guider_scale,
     ),
+    Family(
+        "qwen_image_edit",
+        ((128, 192), (192, 128)),
+        size=(64, 128),
+        negative=" ",
+        guidance_arg="true_cfg_scale",
+        bf16_split_atol=1e-3,  # the re-padded text holds the image's tokens: measured 5.8e-4
+        train_size=(64, 64),
+        sources=_one_source,
+        stock_batch=False,
+    ),
+    Family(
+        "qwen_image_edit_plus",
+        ((128, 192), (192, 128)),
+        size=(64, 128),
+        negative=" ",
+        guidance_arg="true_cfg_scale",
+        bf16_split_atol=1e-3,  # the re-padded text holds the image's tokens: measured 5.8e-4
+        train_size=(64, 64),
+        sources=_two_sources,
+        stock_batch=False,
+    ),
 )
 
 
@@ -277,6 +338,7 @@ def _rollout(fam: Family, adapter: Any, prompts: Sequence[str], **kw: Any) -> An
     h, w = kw.pop("size", fam.size)
     g = kw.pop("guidance_scale", fam.guidance)
     negatives = [fam.negative] * len(prompts) if adapter.uses_cfg(g) else None
+    kw.setdefault("images", fam.source_images(prompts))
     return sample_trajectories(
         adapter,
         list(prompts),
@@ -336,6 +398,29 @@ def check_noise0_matches_pipeline(
     moved = float((ours - latents).abs().max())  # in the rollout's layout (= ref's)
     if fam.stock_layout is not None:
         ours = fam.stock_layout(pipe, ours, size)
+    cfg = adapter.uses_cfg(guidance_scale)
+    sources = fam.sources()[: len(prompts)] if fam.sources is not None else None
+    rows = [slice(None)] if fam.stock_batch else [slice(i, i + 1) for i in range(len(prompts))]
+    refs = []
+    for r in rows:
+        extra = dict(call)
+        if cfg:
+            extra["negative_prompt"] = [fam.negative] * len(prompts[r])
+        if sources is not None:  # one PIL image alone, as the pipelines document
+            srcs = [s[0] if len(s) == 1 else s for s in sources[r]]
+            extra["image"] = srcs[0] if len(srcs) == 1 else srcs
+        out = pipe(
+            prompt=list(prompts[r]),
+            height=size[0],
+            width=size[1],
+            num_inference_steps=steps,
+            latents=latents[r].clone(),
+            output_type="latent",
+            **{fam.guidance_arg: guidance_scale},
+            **extra,
+        )
+        refs.append(out.frames if fam.num_frames is not None else out.images)
+    ref = torch.cat(refs)
     worst = assert_tensors_close(ours, ref, NOISE0_ATOL, f"{fam.kind} final latents")
     assert moved > 1e-2, f"{fam.kind}: the sampler did not move the latents ({moved:.2e})"
     return worst
@@ -488,7 +573,9 @@ def check_lora_export(fam: Family, tmp_path: Path) -> tuple[float, float]:
 
     def velocity(a: Any, model: Any) -> torch.Tensor:
         with torch.no_grad():
-            return a.velocity(model, x, sigma, a.encode_prompts(list(fam.prompts[:2])), **kw)
+            prompts = list(fam.prompts[:2])
+            embeds = a.encode(prompts, images=fam.source_images(prompts))[0]
+            return a.velocity(model, x, sigma, embeds, **kw)
 
     v_engine = velocity(adapter, engine.transformer)
     base = fam.adapter(fam.pipeline())

@@ -23,7 +23,7 @@ from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.config.loader import config_to_dict
 from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
-from flowgrpo.data.prompts import check_divides, rank_slice
+from flowgrpo.data.prompts import check_divides, rank_slice, source_images
 from flowgrpo.engine.dist import (
     DistInfo,
     all_gather_object,
@@ -128,8 +128,9 @@ def rollout(
     eval: bool = False,
     on_chunk: Callable[[Trajectory, slice], None] | None = None,
     groups: list[int] | None = None,
+    images: list[list[torch.Tensor]] | None = None,
 ) -> Trajectory:
-    """Sample ``prompts`` as ``plan`` says (``run.rollout_plan(step)``, or ``run.eval_plan()``
+    """Sample ``prompts`` (with their source ``images``, editing) as ``plan`` says (``run.rollout_plan(step)``, or ``run.eval_plan()``
     with ``eval``) in chunks of ``sample.rollout_batch_size``; sample i's noise comes from
     (seed, step, indices[i]), its initial noise from its group ``groups[i]`` instead with
     ``sample.same_latent`` (training only). ``on_chunk(traj, rows)`` is called as each chunk
@@ -150,6 +151,7 @@ def rollout(
             generator=gens,
             negative_prompts=[s.negative_prompt] * len(gens) if s.negative_prompt else None,
             init_generator=init,
+            images=None if images is None else images[rows],
             **plan.sampler_kwargs(),
         )
         if not bool(torch.isfinite(traj.final_latents).all()):
@@ -199,12 +201,14 @@ def score(
     With ``advantage.async_reward`` chunks are scored in a thread while the next one samples.
     A failing reward is a RunError naming the reward and, when only some samples fail, the
     first failing sample's prompt-file line (``locations``)."""
+    images = source_images(metadata)
     if run.engine.sp_rank:  # an SP group's other ranks sample alike but do not score
         with run.algorithm.rollout_weights():
-            return rollout(run, prompts, indices, step, plan, groups=groups), None, 0.0
+            traj = rollout(run, prompts, indices, step, plan, groups=groups, images=images)
+            return traj, None, 0.0
     with run.algorithm.rollout_weights():
         if not run.cfg.advantage.async_reward:
-            traj = rollout(run, prompts, indices, step, plan, groups=groups)
+            traj = rollout(run, prompts, indices, step, plan, groups=groups, images=images)
             t = time.perf_counter()
             with reward_failures(
                 run.reward, traj.images, prompts, metadata, locations, f"step {step}"
@@ -220,6 +224,7 @@ def score(
                 step,
                 plan,
                 groups=groups,
+                images=images,
                 on_chunk=lambda tr, rows: futures.append(
                     scorer.submit(tr.images, prompts[rows], metadata[rows])
                 ),
@@ -364,9 +369,15 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
     idx, real = setup.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
     with run.ema():
-        images = rollout(run, prompts, idx, setup.EVAL_SALT, run.eval_plan(), eval=True).images[
-            :real
-        ]
+        images = rollout(
+            run,
+            prompts,
+            idx,
+            setup.EVAL_SALT,
+            run.eval_plan(),
+            eval=True,
+            images=source_images(metadata),
+        ).images[:real]
     where = [ev.locations[i] for i in idx[:real]]
     local = None
     if run.engine.sp_rank == 0:  # an SP group scores once
@@ -554,18 +565,29 @@ def _restored(
 
 
 def run_sample(
-    cfg: Any, checkpoint: str | Path | None, prompts: list[str], out_dir: str | Path
+    cfg: Any,
+    checkpoint: str | Path | None,
+    prompts: list[str],
+    out_dir: str | Path,
+    images: list[list[torch.Tensor]] | None = None,
 ) -> list[Path]:
     """ODE samples (eval steps/guidance) of ``prompts`` from the base model or a checkpoint,
     one PNG each in ``out_dir`` (GIF for videos) and ``prompts.jsonl`` saying which prompt
-    made which file; sample i's noise comes from (seed, i)."""
+    made which file; sample i's noise comes from (seed, i). ``images``: each prompt's source
+    images (editing models)."""
     if not prompts:
         raise ValueError("run_sample needs at least one prompt")
     run = _restored(cfg, checkpoint, "sample", tuple(prompts))  # prompts reach the cache
     with run.ema():
         plan = run.eval_plan()
         images = rollout(
-            run, list(prompts), list(range(len(prompts))), setup.SAMPLE_SALT, plan, eval=True
+            run,
+            list(prompts),
+            list(range(len(prompts))),
+            setup.SAMPLE_SALT,
+            plan,
+            eval=True,
+            images=images,
         )
     if not run.dist.is_main:
         return []

@@ -103,6 +103,11 @@ def prepare_prompt_cache(
     m = cfg.model
     if not m.embed_cache_dir:
         return
+    if adapter.edits:
+        raise ValueError(
+            "model.embed_cache_dir: an editing model's prompt embeddings depend on each "
+            "sample's source images, so they are not cached; unset model.embed_cache_dir"
+        )
     cache = PromptEmbedCache(m.embed_cache_dir, adapter)
     prompts = [p for prompt_set in prompt_sets for p in prompt_set]
     prompts += [cfg.sample.negative_prompt, adapter.default_negative_prompt]
