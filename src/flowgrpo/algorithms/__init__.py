@@ -13,6 +13,7 @@ ALGORITHMS: dict[str, str] = {
     "mix_grpo": "flowgrpo.algorithms.mix_grpo:MixGRPO",
     "grpo_guard": "flowgrpo.algorithms.grpo_guard:GRPOGuard",
     "nft": "flowgrpo.algorithms.nft:DiffusionNFT",
+    "flow_dppo": "flowgrpo.algorithms.flow_dppo:FlowDPPO",
 }
 #: what ``algorithm`` is unless a preset or an override says otherwise
 DEFAULT_ALGORITHM = "flow_grpo"
