@@ -58,6 +58,7 @@ def test_the_package_is_described_as_image_and_video_with_four_algorithms():
     names = {"flow_grpo": "Flow-GRPO", "mix_grpo": "MixGRPO", "grpo_guard": "GRPO-Guard"}
     names["nft"] = "DiffusionNFT"
     names["awm"] = "Advantage Weighted Matching"
+    names["flow_dppo"] = "Flow-DPPO"
     assert set(names) == set(ALGORITHMS)
     for text in (description, intro):
         assert "image" in text and "video" in text, text

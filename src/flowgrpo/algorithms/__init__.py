@@ -14,6 +14,7 @@ ALGORITHMS: dict[str, str] = {
     "grpo_guard": "flowgrpo.algorithms.grpo_guard:GRPOGuard",
     "nft": "flowgrpo.algorithms.nft:DiffusionNFT",
     "awm": "flowgrpo.algorithms.awm:AWM",
+    "flow_dppo": "flowgrpo.algorithms.flow_dppo:FlowDPPO",
 }
 #: what ``algorithm`` is unless a preset or an override says otherwise
 DEFAULT_ALGORITHM = "flow_grpo"
