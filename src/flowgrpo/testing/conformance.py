@@ -179,6 +179,8 @@ def _flux2_klein_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int,
     mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
     std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
     return pipe._unpatchify_latents(latents * std + mean)
+
+
 def _guider_scale(pipe: Any, guidance_scale: float) -> dict[str, Any]:
     """A pipeline guided by its ``guider`` component: the scale is the guider's, not an
     argument of the call."""
