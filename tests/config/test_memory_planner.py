@@ -68,6 +68,7 @@ def test_shipped_configs_build_on_meta(name):
         "sd3.5-medium": 2.2,  # 2.5B with the text-side projections the card counts
         "wan2.1-t2v-1.3b": 1.4,
         "wan2.2-t2v-a14b": 2 * 14.3,  # two experts
+        "flux.2-dev": 32.2,  # the card's 32B
     }
     assert plan.params["trained"] / 1e9 == pytest.approx(published[name], abs=0.05)
     assert "sources" in configs and plan.total > 0

@@ -59,6 +59,7 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("sd3-ocr", "sd3.5-large", []),
     ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
     ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
+    ("flux2-pickscore", "flux.2-dev", []),
 ]
 
 
