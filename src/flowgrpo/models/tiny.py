@@ -35,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-TINY_KINDS = ("qwen_image", "sd3", "flux", "z_image")  # image pipelines
+TINY_KINDS = ("qwen_image", "sd3", "flux")  # image pipelines
 TINY_VIDEO_KINDS = ("wan", "wan22")  # WanPipeline: Wan2.1-like, Wan2.2-like (two experts)
 TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
 
@@ -572,7 +572,7 @@ _BUILDERS = {
     "wan22": _build_wan22,
     "z_image": _build_z_image,
 }
-_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS
+_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + ("z_image",)
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
