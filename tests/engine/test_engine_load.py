@@ -12,7 +12,7 @@ import torch
 
 from flowgrpo.testing.ranks import spawn
 
-FAMILIES = ("qwen_image", "sd3", "flux", "wan", "wan22")
+FAMILIES = ("qwen_image", "sd3", "flux", "wan", "wan22", "z_image")
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,8 @@ def test_family_options_are_model_settings_and_come_from_the_adapters():
         "max_sequence_length",
         "num_frames",
         "guidance_scale_2",
+        "cfg_normalization",
+        "cfg_truncation",
     }
     assert adapter_options(FluxPipeline) == {"true_cfg_scale", "max_sequence_length"}
     assert adapter_options(StableDiffusion3Pipeline) == {"max_sequence_length"}
