@@ -277,8 +277,9 @@ def test_rejects_missing_reference_and_bad_shapes():
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_resume_matches_straight_run(tmp_path):
-    """algorithm=awm on the shrunk toy: 2 steps, resume=auto, 2 more == 4 straight (metrics
-    and weights): the EMA policy and the per-sample noise survive the checkpoint."""
+    """algorithm=awm on the shrunk toy: 1 step, resume=auto, 1 more == 2 straight (metrics
+    and eval): the EMA policy (lagging from step 1) and the per-sample noise survive the
+    checkpoint."""
     from flowgrpo.config import load_config
     from flowgrpo.testing.models import random_toy_path
     from flowgrpo.trainer.logging import deterministic_view, read_jsonl
@@ -295,7 +296,7 @@ def test_resume_matches_straight_run(tmp_path):
         "data.eval_samples_per_prompt=2",
         "update.micro_batch_size=4",
         "trainer.eval_every=2",
-        "trainer.save_every=2",
+        "trainer.save_every=1",
         "trainer.keep_last=2",
         "run.progress_bar=false",
         "awm.ema_kl_decay_type=constant",  # the EMA policy lags from step 1: resume must keep it
@@ -306,15 +307,63 @@ def test_resume_matches_straight_run(tmp_path):
         return run_training(load_config("toy-digits", [*small, f"run.output_dir={out}", *extra]))
 
     first = tmp_path / "first"
-    train(first, "trainer.max_steps=2")
+    train(first, "trainer.max_steps=1")
     resumed = tmp_path / "resumed"
     shutil.copytree(first, resumed)
-    summary = train(resumed, "trainer.max_steps=4", "trainer.resume=auto")
-    assert summary["resumed_from"].endswith("step_2")
+    summary = train(resumed, "trainer.max_steps=2", "trainer.resume=auto")
+    assert summary["resumed_from"].endswith("step_1")
     straight = tmp_path / "straight"
-    train(straight, "trainer.max_steps=4")
+    train(straight, "trainer.max_steps=2")
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [deterministic_view(r) for r in a] == [deterministic_view(r) for r in b]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+
+    def view(rows):  # the 1-step run's end-of-run eval also sits in its step-1 row
+        return [{k: v for k, v in deterministic_view(r).items() if "eval" not in k} for r in rows]
+
+    assert view(a) == view(b)
+    assert deterministic_view(a[1]) == deterministic_view(b[1])
     assert all(r["train/ema_kl"] > 0 for r in a[1:])  # the EMA term is live after step 1
-    assert read_jsonl(straight / "eval.jsonl") == read_jsonl(resumed / "eval.jsonl")
+    # the 1-step run also evaluated at its end (step 1): compare the evals both runs made
+    ea, eb = read_jsonl(straight / "eval.jsonl"), read_jsonl(resumed / "eval.jsonl")
+    assert [e["step"] for e in ea] == [0, 2]
+    assert ea == [e for e in eb if e["step"] in (0, 2)]
+
+
+# -- the update on the engine: the EMA policy and the loss at the weights by hand -------------
+
+
+def test_update_blends_the_ema_policy_and_its_term_uses_those_weights(dist1):
+    """After update(): ema = d·ema + (1 − d)·θ (d = min(0.3, 0.001·steps)); the next update's
+    EMA term is mean (v_θ − v_ema)² with v_ema recomputed by hand at exactly those weights, and
+    its policy term on-policy is −mean A' (clamped and scaled advantages)."""
+    import algo_ranks as ar
+    from test_algorithm_updates import _load_params, _params, _rollout, _setup, _velocity
+
+    cfg, adapter, engine, algo = _setup("awm", **{"awm.kl_beta": 0.01})
+    engine.optimizer_steps = 200  # d = min(0.3, 0.001·201) = 0.201: a real blend
+    before = _params(engine)
+    _, traj, seeds = _rollout(cfg, adapter, algo)
+    metrics = algo.update(traj, ar.ADVANTAGES, step=1, sample_seeds=seeds)
+    theta = _params(engine)
+    d = ema_kl_decay(201)
+    assert metrics["ema_kl_decay"] == pytest.approx(d) and d == pytest.approx(0.201)
+    assert metrics["ema_kl"] == 0.0  # the EMA policy was still the initial weights
+    a = torch.clamp(ar.ADVANTAGES, -5, 5) / 5
+    assert metrics["policy_loss"] == pytest.approx(-a.double().mean().item(), abs=1e-9)
+    expected = {n: d * before[n] + (1 - d) * theta[n] for n in theta}
+    assert max((theta[n] - before[n]).abs().max().item() for n in theta) > 1e-4
+
+    _, nxt, seeds = _rollout(cfg, adapter, algo, step=2)
+    sub, sd = nxt.select([0, 1]), torch.as_tensor(seeds[:2])
+    level = algo.noise_levels(sd, cfg.sample.num_steps, nxt.num_train_steps)[:, 0]
+    x0, eps, sigma, _ = algo._inputs(sub, sd, level, 0)
+    x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * eps
+    with torch.no_grad():
+        v = _velocity(adapter, engine, sub, x_t, sigma)
+        _load_params(engine, expected)
+        v_ema = _velocity(adapter, engine, sub, x_t, sigma)
+        _load_params(engine, theta)
+        terms = algo.step_loss(sub, ar.ADVANTAGES[:2], sd, level, 0, None)
+    assert float((v - v_ema).abs().max()) > 1e-5
+    by_hand = ((v.double() - v_ema.double()) ** 2).mean()
+    assert float(terms[3]) == pytest.approx(float(by_hand), rel=1e-4)

@@ -14,7 +14,7 @@ Transcribed from the authors' code, scxue/advantage_weighted_matching @ be51372 
 commit: "update default kl beta of geneval config"), ``scripts/train_sd3_awm.py`` (line numbers
 below are that file's; the settings are ``config/dgx_awm.py``):
 
-    x_t    = (1 − t)·x0 + t·ε,   ε ~ N(0, I) fresh per (sample, t)              :1256
+    x_t    = (1 − t)·x0 + t·ε,   ε ~ N(0, I) fresh per (sample, t)              :1268
     mse    = mean_d (v_θ(x_t, t) − (ε − x0))²          (float64)                  :238-239
     log p  = −((mse + 1e-10)^p − 1e-10^p)·t / p         ("ghuber", p = 0.25)       :248-249
     A      = clamp(A, ±adv_clip_max) / adv_clip_max · advantage_max              :1293-1299
