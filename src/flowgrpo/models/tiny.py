@@ -36,7 +36,9 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
 TINY_KINDS = ("qwen_image", "sd3", "flux")  # image pipelines
-TINY_KINDS += ("qwen_image21",)  # QwenImage21Pipeline: H, W multiples of 32 (VAE x16, 2x2 slots)
+#: image pipelines with their own size rule (``tiny_size`` and TINY_MULTIPLE do not apply):
+#: QwenImage21Pipeline, H and W multiples of 32 (VAE x16 as the real one, 2x2 image slots)
+TINY_OTHER_KINDS = ("qwen_image21",)
 TINY_VIDEO_KINDS = ("wan", "wan22")  # WanPipeline: Wan2.1-like, Wan2.2-like (two experts)
 TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
 
@@ -649,7 +651,7 @@ _BUILDERS = {
     "wan22": _build_wan22,
 }
 _BUILDERS["qwen_image21"] = _build_qwen_image21
-_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS
+_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_OTHER_KINDS
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
