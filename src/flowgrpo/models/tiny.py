@@ -36,7 +36,9 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
 TINY_KINDS = ("qwen_image", "sd3", "flux")  # image pipelines
-TINY_KINDS += ("qwen_image21",)  # QwenImage21Pipeline: H, W multiples of 32 (VAE x16, 2x2 slots)
+#: image pipelines with their own size rule (``tiny_size`` and TINY_MULTIPLE do not apply):
+#: QwenImage21Pipeline, H and W multiples of 32 (VAE x16 as the real one, 2x2 image slots)
+TINY_OTHER_KINDS = ("qwen_image21",)
 TINY_VIDEO_KINDS = ("wan", "wan22", "hunyuan_video15")  # Wan2.1, Wan2.2 (two experts), HV-1.5
 TINY_MULTIPLE = 4  # vae_scale_factor (2) * patch size (2): H and W must be multiples of this
 
@@ -1179,7 +1181,7 @@ _BUILDERS = {
     "qwen_image_edit_plus": _build_qwen_image_edit_plus,
 }
 _BUILDERS["qwen_image21"] = _build_qwen_image21
-_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + ("z_image",)
+_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + TINY_OTHER_KINDS + ("z_image",)
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
