@@ -139,9 +139,7 @@ CASES = [
     for a in ALGORITHMS
     for k in KINDS
     for m in ("lora", "full")
-    if a == "flow_grpo"
-    or (a in FIRST_ALGORITHMS and k in EVERY_ALGORITHM)
-    or k in ("toy", "sd3")
+    if a == "flow_grpo" or (a in FIRST_ALGORITHMS and k in EVERY_ALGORITHM) or k in ("toy", "sd3")
 ]
 
 
