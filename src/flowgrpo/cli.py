@@ -188,7 +188,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from flowgrpo.trainer.loop import run_sample
 
     def job() -> None:
-        paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out, images)
+        edits = {} if images is None else {"images": images}  # editing models only
+        paths = run_sample(cfg, _checkpoint(args.checkpoint), prompts, args.out, **edits)
         if _is_main_rank():
             print(f"wrote {len(paths)} sample(s) to {args.out}")
 
