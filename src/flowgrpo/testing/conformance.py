@@ -377,36 +377,23 @@ def check_noise0_matches_pipeline(
         num_steps=steps,
         latents=latents.clone(),
     ).final_latents
-    call = dict(fam.call_options)
-    if fam.num_frames is not None:
-        call["num_frames"] = fam.num_frames
-    if adapter.uses_cfg(guidance_scale) and fam.stock_negative:
-        call["negative_prompt"] = [fam.negative] * len(prompts)
-    out = pipe(
-        prompt=list(prompts),
-        height=size[0],
-        width=size[1],
-        num_inference_steps=steps,
-        latents=latents.clone(),
-        output_type="latent",
-        **(
-            {fam.guidance_arg: guidance_scale}
-            if fam.stock_guidance is None
-            else fam.stock_guidance(pipe, guidance_scale)
-        ),
-        **call,
-    )
-    ref = out.frames if fam.num_frames is not None else out.images
-    moved = float((ours - latents).abs().max())  # in the rollout's layout (= ref's)
+    moved = float((ours - latents).abs().max())  # in the rollout's layout
     if fam.stock_layout is not None:
         ours = fam.stock_layout(pipe, ours, size)
     cfg = adapter.uses_cfg(guidance_scale)
+    guidance = (
+        {fam.guidance_arg: guidance_scale}
+        if fam.stock_guidance is None
+        else fam.stock_guidance(pipe, guidance_scale)
+    )
     sources = fam.sources()[: len(prompts)] if fam.sources is not None else None
     rows = [slice(None)] if fam.stock_batch else [slice(i, i + 1) for i in range(len(prompts))]
     refs = []
     for r in rows:
-        extra = dict(call)
-        if cfg:
+        extra = dict(fam.call_options)
+        if fam.num_frames is not None:
+            extra["num_frames"] = fam.num_frames
+        if cfg and fam.stock_negative:
             extra["negative_prompt"] = [fam.negative] * len(prompts[r])
         if sources is not None:  # one PIL image alone, as the pipelines document
             srcs = [s[0] if len(s) == 1 else s for s in sources[r]]
@@ -418,7 +405,7 @@ def check_noise0_matches_pipeline(
             num_inference_steps=steps,
             latents=latents[r].clone(),
             output_type="latent",
-            **{fam.guidance_arg: guidance_scale},
+            **guidance,
             **extra,
         )
         refs.append(out.frames if fam.num_frames is not None else out.images)
