@@ -407,7 +407,10 @@ def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
 
     lines = [head + " |", "|" + "---|" * (2 + len(gpu_sizes))]
     for preset, model, extra in PRESET_MODELS:
-        for label, more in (("LoRA (preset)", []), ("full, KL as preset", ["lora.enabled=false"])):
+        for label, more in (
+            ("LoRA (preset)", []),
+            ("full, KL as preset", ["lora.enabled=false", "lora.target_modules=null"]),
+        ):
             over = [f"model.path={KNOWN_PREFIX}{model}", *extra, *more]
             cells = []
             for g in gpu_sizes:
