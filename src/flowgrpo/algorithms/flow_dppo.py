@@ -30,11 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo.algo.losses import kl_penalty_image
-from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.algorithms.flow_grpo import FlowGRPO
 from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory
-from flowgrpo.settings import ge, gt, need, one_of, setting
+from flowgrpo.settings import ge, gt, one_of, setting
 
 # -- the math ----------------------------------------------------------------------------------
 
@@ -180,25 +179,7 @@ class FlowDPPO(FlowGRPO):
     name = "flow_dppo"
     settings_class = FlowDPPOConfig
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """A stochastic "sde" rollout: the KL and the ratio are the 'sde' Gaussian step's (the
-        authors' code supports only it)."""
-        super().check_config(cfg)
-        s = cfg.sample
-        need(s.sde_type == "sde", "sample.sde_type", "'sde' with algorithm=flow_dppo", s.sde_type)
-
-    def rollout_plan(self, step: int) -> RolloutPlan:
-        plan = super().rollout_plan(step)
-        if plan.sde_type != "sde":
-            raise ValueError(f"flow_dppo needs sample.sde_type=sde, got {plan.sde_type!r}")
-        plan.record_means = True
-        return plan
-
-    def update(self, trajectory, advantages, *, step, sample_seeds):  # noqa: D102
-        if trajectory.means is None:
-            raise ValueError("flow_dppo trains on a rollout that recorded its step means")
-        return super().update(trajectory, advantages, step=step, sample_seeds=sample_seeds)
+    uses_step_means = True  # the KL and the ratio are the 'sde' step's (the authors' only)
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import SDEStepOutput
-from flowgrpo.algorithms.base import Algorithm
+from flowgrpo.algorithms.base import Algorithm, RolloutPlan
 from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
 from flowgrpo.settings import ge, gt, need, one_of, setting
@@ -60,6 +61,9 @@ class FlowGRPO(Algorithm):
 
     name = "flow_grpo"
     settings_class = FlowGRPOConfig
+    #: its loss needs each trained step's Gaussian mean, recorded by an 'sde' rollout (a
+    #: subclass whose ratio or KL is the 'sde' step's sets it: the rule lives here once)
+    uses_step_means: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -73,6 +77,26 @@ class FlowGRPO(Algorithm):
             "steps: with 0 the rollout is deterministic and nothing trains)",
             s.noise_level,
         )
+        if cls.uses_step_means:
+            need(
+                s.sde_type == "sde",
+                "sample.sde_type",
+                f"'sde' with algorithm={cfg.algorithm}",
+                s.sde_type,
+            )
+
+    def rollout_plan(self, step: int) -> RolloutPlan:
+        """The sample section's rollout; recording each trained step's mean when the loss
+        uses them."""
+        plan = super().rollout_plan(step)
+        if self.uses_step_means:
+            if plan.sde_type != "sde":
+                raise ValueError(
+                    f"{self.name} needs sample.sde_type=sde (its loss uses the 'sde' step's "
+                    f"means), got {plan.sde_type!r}"
+                )
+            plan.record_means = True
+        return plan
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -86,6 +110,8 @@ class FlowGRPO(Algorithm):
         return torch.arange(len(advantages))
 
     def check(self, trajectory: Trajectory) -> None:
+        if self.uses_step_means and trajectory.means is None:
+            raise ValueError(f"{self.name} trains on a rollout that recorded its step means")
         if self.settings.kl_beta > 0 and (
             trajectory.noise_level <= 0 or trajectory.sde_type == "ode"
         ):

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo.algo.losses import kl_penalty_image
-from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from flowgrpo.rollout import Trajectory
-from flowgrpo.settings import gt, need, one_of, setting
+from flowgrpo.settings import gt, one_of, setting
 
 # -- the math: the normalised ratio and the regulated-clipping loss ----------------------------
 
@@ -245,26 +244,7 @@ class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
     settings_class = GRPOGuardConfig
 
-    @classmethod
-    def check_config(cls, cfg) -> None:  # noqa: D102 - its normalised ratio is the 'sde' step's
-        super().check_config(cfg)
-        s = cfg.sample
-        need(s.sde_type == "sde", "sample.sde_type", "'sde' with algorithm=grpo_guard", s.sde_type)
-
-    def rollout_plan(self, step: int) -> RolloutPlan:
-        plan = super().rollout_plan(step)
-        if plan.sde_type != "sde":
-            raise ValueError(
-                f"grpo_guard needs sample.sde_type=sde (its ratio is the 'sde' step's), "
-                f"got {plan.sde_type!r}"
-            )
-        plan.record_means = True
-        return plan
-
-    def update(self, trajectory, advantages, *, step, sample_seeds):  # noqa: D102
-        if trajectory.means is None:
-            raise ValueError("grpo_guard trains on a rollout that recorded its step means")
-        return super().update(trajectory, advantages, step=step, sample_seeds=sample_seeds)
+    uses_step_means = True  # its normalised ratio is the 'sde' step's
 
     @property
     def keys(self) -> tuple[str, ...]:
