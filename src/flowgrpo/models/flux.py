@@ -234,6 +234,20 @@ class FluxAdapter(DiffusionAdapter):
         guidance_scale: float,
     ) -> torch.Tensor:
         """Raw velocity [B, S, 4C] for packed latents; timestep = t / 1000 with t = 1000 sigma."""
+        img_ids = self.image_ids(height, width, latents.device, latents.dtype)
+        return self.transformer_call(transformer, latents, sigma, embeds, img_ids, guidance_scale)
+
+    def transformer_call(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: PromptEmbeds,
+        img_ids: torch.Tensor,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """The transformer on packed tokens ``latents`` [B, S, 4C] at positions ``img_ids``
+        [S, 3] (FLUX.1 Kontext: noised and source tokens) -> its output [B, S, 4C]."""
         dtype = param_dtype(transformer)
         device, batch = latents.device, latents.shape[0]
         t = sigma.to(device=device, dtype=torch.float32) * self.num_train_timesteps
@@ -248,7 +262,7 @@ class FluxAdapter(DiffusionAdapter):
             pooled_projections=embeds.pooled.to(dtype),
             encoder_hidden_states=embeds.embeds.to(dtype),
             txt_ids=text_ids,
-            img_ids=self.image_ids(height, width, device, latents.dtype),
+            img_ids=img_ids,
             return_dict=False,
         )[0]
 

@@ -30,6 +30,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:HunyuanVideo15Adapter",
     "QwenImageEditPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditAdapter",
     "QwenImageEditPlusPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditPlusAdapter",
+    "FluxKontextPipeline": "flowgrpo.models.flux_kontext:FluxKontextAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)

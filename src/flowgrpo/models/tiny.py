@@ -1165,7 +1165,38 @@ def _build_qwen_image_edit_plus(tcfg: dict[str, Any], seeds) -> Any:
 TRANSFORMER_CONFIGS["qwen_image_edit"] = dict(TRANSFORMER_CONFIGS["qwen_image"])
 TRANSFORMER_CONFIGS["qwen_image_edit_plus"] = dict(TRANSFORMER_CONFIGS["qwen_image"])
 #: editing pipelines (source images are conditioning); sizes: multiples of 64
-TINY_EDIT_KINDS = ("qwen_image_edit", "qwen_image_edit_plus")
+TINY_EDIT_KINDS = ("qwen_image_edit", "qwen_image_edit_plus", "flux_kontext")
+
+
+def _build_flux_kontext(tcfg: dict[str, Any], seeds) -> Any:
+    """FLUX.1 Kontext: the FLUX tiny's text encoders and transformer with a VAE of spatial
+    factor 32 (5 downsamplings, 4 channels, no residual blocks): the pipeline resizes every
+    source image to a preferred Kontext resolution (~1024² pixels), which this VAE encodes in
+    ~0.1 s on one CPU thread into 32 x 32 latents (256 source tokens). Sizes: multiples of 64."""
+    from diffusers import AutoencoderKL, FluxKontextPipeline
+
+    flux = _build_flux(tcfg, seeds)
+    torch.manual_seed(next(seeds))
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 6,
+        up_block_types=("UpDecoderBlock2D",) * 6,
+        block_out_channels=(4,) * 6,
+        layers_per_block=0,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=0.3611,  # FLUX.1 VAE factors
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+    return FluxKontextPipeline(**{**flux.components, "vae": vae})
+
+
+TRANSFORMER_CONFIGS["flux_kontext"] = dict(TRANSFORMER_CONFIGS["flux"])
 
 _BUILDERS = {
     "qwen_image": _build_qwen_image,
@@ -1181,6 +1212,7 @@ _BUILDERS = {
     "qwen_image_edit_plus": _build_qwen_image_edit_plus,
 }
 _BUILDERS["qwen_image21"] = _build_qwen_image21
+_BUILDERS["flux_kontext"] = _build_flux_kontext
 _ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + TINY_OTHER_KINDS + ("z_image",)
 
 

@@ -326,6 +326,19 @@ FAMILIES: tuple[Family, ...] = (
         sources=_two_sources,
         stock_batch=False,
     ),
+    Family(  # both sizes of one area: the stock call's max_area keeps them as given
+        "flux_kontext",
+        ((128, 192), (192, 128)),
+        size=(64, 128),
+        options={"max_sequence_length": 16},
+        cfg_options={"true_cfg_scale": 4.0},
+        call_options={"max_sequence_length": 16, "max_area": 128 * 192},
+        guidance=2.5,
+        train_size=(64, 64),
+        # one 2:1 source per prompt (at least 64 px: the pipeline floors the image's size to
+        # its multiple, 64, before reading the aspect ratio): resized to 1408 x 704 (242 tokens)
+        sources=lambda: [[_random_image(i, 80, 144)] for i in range(4)],
+    ),
 )
 
 
