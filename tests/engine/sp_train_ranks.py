@@ -13,7 +13,7 @@ from flowgrpo.testing.ranks import rank_env
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
 ADVANTAGES = torch.tensor([1.0, -0.5])
-KINDS = ("qwen_image", "flux", "sd3", "wan", "wan22", "flux2", "flux2_klein")
+KINDS = ("qwen_image", "flux", "sd3", "wan", "wan22", "flux2", "flux2_klein", "flux_kontext")
 MODES = ("lora", "full")
 
 
@@ -23,6 +23,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
     from flowgrpo.models import build_adapter
     from flowgrpo.models.tiny import tiny_pipeline
     from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+    from flowgrpo.testing.conformance import family
     from flowgrpo.trainer.setup import build_engine
 
     cfg = config_from_dict(
@@ -42,6 +43,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
         "wan22": {"num_frames": 5},
         "flux2": {"max_sequence_length": 64},  # text and image tokens both split over sp=2
         "flux2_klein": {"max_sequence_length": 64},
+        "flux_kontext": {"max_sequence_length": 16},
     }
     options = options.get(kind, {})
     adapter = build_adapter(pipe, **options)
@@ -54,7 +56,11 @@ def run(kind: str, mode: str, sp: int) -> dict:
             lambda module, args: seen.append(args[0].shape[1])
         )
     g = 3.5 if kind == "flux" else 4.0
-    kw = dict(num_steps=3, guidance_scale=g, height=32, width=32, decode=False)
+    # an editing family's conformance sources (the prompts are its first two); FLUX.1
+    # Kontext: 128 px (VAE x32), 4 noised + 242 source tokens split over sp=2
+    images = family(kind).source_images(PROMPTS)
+    size = 32 if images is None else 128
+    kw = dict(num_steps=3, guidance_scale=g, height=size, width=size, decode=False, images=images)
 
     def gens():
         return [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
