@@ -69,6 +69,7 @@ def test_shipped_configs_build_on_meta(name):
         "wan2.1-t2v-1.3b": 1.4,
         "wan2.2-t2v-a14b": 2 * 14.3,  # two experts
         "flux.2-dev": 32.2,  # the card's 32B
+        "flux.1-kontext-dev": 11.9,  # the card's 12B: FLUX.1 [dev]'s transformer
     }
     assert plan.params["trained"] / 1e9 == pytest.approx(published[name], abs=0.05)
     assert "sources" in configs and plan.total > 0

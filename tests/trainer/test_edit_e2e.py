@@ -1,4 +1,5 @@
-"""Editing end to end (issue 26): `flowgrpo train` on a saved tiny Qwen-Image-Edit directory
+"""Editing end to end (issue 26): `flowgrpo train` on a saved tiny Qwen-Image-Edit (and FLUX.1
+Kontext) directory
 with a .jsonl of prompts + a folder of source images runs 2 steps and checkpoints; `flowgrpo
 sample --image` writes one edit per prompt (base model); a text-only prompt file for the edit model is a
 one-line error before anything trains."""
@@ -60,13 +61,23 @@ def _flowgrpo(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
-def test_train_two_steps_then_sample_with_an_image(tmp_path) -> None:
+#: each editing family's own settings: FLUX.1 Kontext with short T5 text and its sources at
+#: 64 px (model.source_size: one source token; the pipeline's rule would make them ~1024²)
+KINDS = {
+    "qwen_image_edit": [],
+    "flux_kontext": ["model.max_sequence_length=16", "model.source_size=64"],
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_two_steps_then_sample_with_an_image(tmp_path, kind) -> None:
     from flowgrpo.models.tiny import tiny_pipeline
 
-    tiny_pipeline("qwen_image_edit").save_pretrained(tmp_path / "model")
+    tiny_pipeline(kind).save_pretrained(tmp_path / "model")
     (tmp_path / "data" / "images").mkdir(parents=True)
+    side = 24 if kind == "qwen_image_edit" else 64  # Kontext: at least its multiple, 64
     for i in range(2):
-        a = np.random.default_rng(i).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+        a = np.random.default_rng(i).integers(0, 256, (side, side, 3), dtype=np.uint8)
         Image.fromarray(a).save(tmp_path / "data" / "images" / f"{i}.png")
     prompts = tmp_path / "data" / "edit.jsonl"
     rows = [
@@ -76,13 +87,14 @@ def test_train_two_steps_then_sample_with_an_image(tmp_path) -> None:
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     preset = tmp_path / "edit.yaml"  # a user's own YAML (no shipped edit preset yet)
     preset.write_text("seed: 0\n")
-    common = [f"model.path={tmp_path / 'model'}", *SMALL]
+    common = [f"model.path={tmp_path / 'model'}", *SMALL, *KINDS[kind]]
 
-    text_only = tmp_path / "text.txt"
-    text_only.write_text("a red cat\n")
-    bad = _flowgrpo("train", str(preset), *common, f"data.train_prompts={text_only}", ok=False)
-    assert bad.returncode != 0 and "which edits images" in bad.stderr
-    assert not (tmp_path / "bad").exists()
+    if kind == "qwen_image_edit":  # the config check is generic: checked once
+        text_only = tmp_path / "text.txt"
+        text_only.write_text("a red cat\n")
+        bad = _flowgrpo("train", str(preset), *common, f"data.train_prompts={text_only}", ok=False)
+        assert bad.returncode != 0 and "which edits images" in bad.stderr
+        assert not (tmp_path / "bad").exists()
 
     run = tmp_path / "run"
     _flowgrpo(

@@ -113,6 +113,13 @@ class ModelConfig:
         "Decode in overlapping spatial tiles (diffusers `enable_tiling`; bounds the peak at any "
         "size; blended tile seams change pixels slightly).",
     )
+    source_size: int | None = setting(
+        None,
+        "FLUX.1 Kontext only: resize every source image to this many pixels square (a multiple "
+        "of 16) instead of the pipeline's preferred resolution of its aspect ratio (~1024²); "
+        "the reference counting_edit runs use the output size, 512. null = the pipeline's rule.",
+        check=optional(ge(1)),
+    )
 
     def check(self) -> None:
         if self.text_encoder_offload != "keep":

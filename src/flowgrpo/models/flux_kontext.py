@@ -39,6 +39,10 @@ class FluxKontextAdapter(FluxAdapter):
     """Adapter for ``diffusers.FluxKontextPipeline``: one source image per prompt.
 
     true_cfg_scale, max_sequence_length: as ``FluxAdapter``.
+    source_size: every source image resized to this many pixels square (a multiple of VAE
+    factor x 2) instead of the pipeline's rule: the stock pipeline given the image at that
+    size with ``_auto_resize=False``. flow_grpo's Kontext training resizes its sources to the
+    output size (yifan123/flow_grpo@2e2f712 scripts/train_flux_kontext.py:582).
     """
 
     edits = True
@@ -47,36 +51,58 @@ class FluxKontextAdapter(FluxAdapter):
     lora_target_modules = (*FluxAdapter.lora_target_modules, "proj_mlp")
     truncation_loggers = ("diffusers.pipelines.flux.pipeline_flux_kontext",)
 
-    def __init__(self, pipe: Any, *, true_cfg_scale: float = 1.0, max_sequence_length: int = 512):
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        true_cfg_scale: float = 1.0,
+        max_sequence_length: int = 512,
+        source_size: int | None = None,
+    ):
         super().__init__(
             pipe, true_cfg_scale=true_cfg_scale, max_sequence_length=max_sequence_length
         )
+        m = pipe.vae_scale_factor * 2
+        if source_size is not None and (source_size < m or source_size % m):
+            raise ValueError(
+                f"source_size must be a positive multiple of {m} for FLUX.1 Kontext (VAE "
+                f"{m // 2} x 2x2 packing), got {source_size}"
+            )
+        self.source_size_px = source_size
         self._source: tuple[torch.Tensor, tuple] | None = None
 
     @classmethod
     def token_counts(
         cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
     ) -> TokenCounts:
-        """FLUX's counts plus the source tokens of a square source image (1024², the preferred
-        resolution of aspect ratio 1): they lengthen the transformer's sequence."""
+        """FLUX's counts plus the source tokens of a square source image (``source_size``, else
+        1024², the preferred resolution of aspect ratio 1): they lengthen the sequence."""
         counts = super().token_counts(configs, height, width, options)
         f, _ = planner_vae(configs.get("vae", {}))
-        side = 1024 // (2 * f) * (2 * f)
+        side = (options.get("source_size") or 1024) // (2 * f) * (2 * f)
         source = (side // (2 * f)) ** 2
         return TokenCounts(
             counts.image + source, counts.text, counts.latent, counts.prompt, counts.frames
         )
 
     # -- the source image -------------------------------------------------------------------------
-    def source_size(self, image: Any) -> tuple[int, int]:
+    def source_hw(self, image: Any) -> tuple[int, int]:
         """(height, width) the pipeline resizes the PIL ``image`` to: the preferred Kontext
-        resolution nearest its aspect ratio, floored to multiples of VAE factor x 2."""
+        resolution nearest its aspect ratio, floored to multiples of VAE factor x 2
+        (``source_size`` given: that square)."""
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
+        if self.source_size_px is not None:
+            return self.source_size_px, self.source_size_px
         h, w = self.pipe.image_processor.get_default_height_width(image)
+        m = self.pipe.vae_scale_factor * 2
+        if h == 0 or w == 0:  # the pipeline would divide by zero
+            raise ValueError(
+                f"a source image of {image.width} x {image.height} pixels is smaller than FLUX.1 "
+                f"Kontext's multiple of {m}: give larger images (or set model.source_size)"
+            )
         aspect = w / h
         _, w, h = min((abs(aspect - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
-        m = self.pipe.vae_scale_factor * 2
         return h // m * m, w // m * m
 
     @torch.no_grad()
@@ -90,7 +116,7 @@ class FluxKontextAdapter(FluxAdapter):
                 f"{max(len(row) for row in images)}"
             )
         pils = [to_pil(row[0]) for row in images]
-        sizes = {self.source_size(im) for im in pils}
+        sizes = {self.source_hw(im) for im in pils}
         if len(sizes) > 1:
             raise ValueError(
                 f"the source images of one batch must resize to one size, got {sorted(sizes)} "

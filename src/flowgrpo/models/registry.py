@@ -49,6 +49,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "z-image-turbo-pickscore": ("ZImagePipeline",),
     "qwen-image-21-pickscore": ("QwenImage21Pipeline",),
     "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
+    "flux-kontext-counting": ("FluxKontextPipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
@@ -61,6 +62,7 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
     ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
     ("flux2-pickscore", "flux.2-dev", []),
+    ("flux-kontext-counting", "flux.1-kontext-dev", []),
 ]
 
 
