@@ -234,6 +234,11 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     cbytes = wbytes if fs.param_dtype == "auto" else _dtype_bytes(fs.param_dtype, device)
 
     adapter_cls = import_adapter(SUPPORTED_PIPELINES[pipeline])
+    if getattr(adapter_cls, "edits", False) and m.embed_cache_dir:  # as the trainer refuses it
+        raise ValueError(
+            "model.embed_cache_dir: an editing model's prompt embeddings depend on each "
+            "sample's source images, so they are not cached; unset model.embed_cache_dir"
+        )
     options = {k: getattr(m, k) for k in family_options()}  # the family's model.* options
     trained = [c for c in adapter_cls.trained_components(index) if c in configs and c in index]
     shapes = []
