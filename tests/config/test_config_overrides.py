@@ -6,6 +6,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from flowgrpo import cli
 from flowgrpo.config import (
     Config,
     RewardSpec,
@@ -138,6 +139,7 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
     )
     assert flux.reward[0].name == "pickscore" and flux.flow_grpo.kl_beta == 0.0
     edit = cfgs["qwen-image-edit-counting"]  # flow_grpo's counting_qwenimage_edit
+    assert cli.main(["config", "show", "qwen-image-edit-counting"]) == 0
     assert [(r.name, r.label, r.weight) for r in edit.reward] == [
         ("image_similarity", "image_similarity", 0.2),
         ("remote", "geneval", 0.8),
