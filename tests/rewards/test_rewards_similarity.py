@@ -66,7 +66,10 @@ def test_score_equals_clip_image_features_cosine(tiny_clip):
     reward = build_reward("image_similarity", path=str(tiny_clip), batch_size=2)
     images, sources = _data()
     meta = [{"source_images": s} for s in sources]
+    embedded, embed = [], reward.embed
+    reward.embed = lambda pix: embedded.append(pix.shape[0]) or embed(pix)
     got = reward(images, ["p"] * 3, meta)
+    assert embedded == [3, 2]  # the results, then each distinct source once
     assert got.shape == (3,) and got.dtype == torch.float32
     want = _reference(tiny_clip, images, sources)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -124,18 +124,20 @@ class ImageSimilarity:
     ) -> torch.Tensor:
         chosen = self._chosen_sources(metadata)
         results = self.embed(self.preprocess(images))
-        # A group's K samples share their sources: embed each distinct source once.
+        # A group's K samples share their sources (as copies): prepare and embed each
+        # distinct source once, found by a hash of its values (cheaper than resizing it).
         index: dict[bytes, int] = {}
         pixels: list[torch.Tensor] = []
         rows: list[list[int]] = []
         for srcs in chosen:
             row = []
             for src in srcs:
-                pix = self.preprocess(torch.as_tensor(src).float().unsqueeze(0))[0]
-                key = hashlib.blake2b(pix.contiguous().numpy().tobytes(), digest_size=16)
+                x = torch.as_tensor(src).detach().float().cpu().contiguous()
+                key = hashlib.blake2b(x.numpy().tobytes(), digest_size=16)
+                key.update(repr(tuple(x.shape)).encode())
                 row.append(index.setdefault(key.digest(), len(pixels)))
                 if row[-1] == len(pixels):
-                    pixels.append(pix)
+                    pixels.append(self.preprocess(x.unsqueeze(0))[0])
             rows.append(row)
         sources = self.embed(torch.stack(pixels))
         return torch.stack(
