@@ -60,6 +60,21 @@ def _flowgrpo(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
+def _tiny_clip(path: Path) -> Path:
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+
+    text = {"vocab_size": 40, "hidden_size": 32, "intermediate_size": 37}
+    vision = {"hidden_size": 32, "intermediate_size": 37, "image_size": 32, "patch_size": 8}
+    for cfg in (text, vision):
+        cfg.update(num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ).save_pretrained(path)
+    return path
+
+
 def test_train_two_steps_then_sample_with_an_image(tmp_path) -> None:
     from flowgrpo.models.tiny import tiny_pipeline
 
@@ -85,11 +100,14 @@ def test_train_two_steps_then_sample_with_an_image(tmp_path) -> None:
     assert not (tmp_path / "bad").exists()
 
     run = tmp_path / "run"
+    clip = _tiny_clip(tmp_path / "clip")  # the similarity-to-source reward beside the task's
     _flowgrpo(
         "train",
         str(preset),
         *common,
         f"data.train_prompts={prompts}",
+        "reward=jpeg_compressibility:1.0,image_similarity:0.2",
+        f"reward.image_similarity.options.path={clip}",
         "trainer.max_steps=2",
         "trainer.save_every=2",
         "trainer.eval_every=0",
@@ -97,6 +115,8 @@ def test_train_two_steps_then_sample_with_an_image(tmp_path) -> None:
     )
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "step" in m][-1] == 2
+    sims = [m["reward/image_similarity_mean"] for m in lines if "step" in m]
+    assert len(sims) == 2 and all(-1.0 <= x <= 1.0 for x in sims)
     assert (run / "checkpoints" / "step_2").is_dir()
 
     # from the base model: loading this run's checkpoint fails on the optimizer state of the

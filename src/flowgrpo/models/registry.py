@@ -48,6 +48,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "z-image-turbo-pickscore": ("ZImagePipeline",),
     "qwen-image-21-pickscore": ("QwenImage21Pipeline",),
     "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
+    "qwen-image-edit-counting": ("QwenImageEditPipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
