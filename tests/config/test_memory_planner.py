@@ -218,3 +218,58 @@ def test_every_preset_with_a_known_model_plans():
         plan = plan_memory(load_config(preset, over, check_paths=False), 8, 80)
         assert plan.total > 0 and plan.parts["activations"] > 0, (preset, model)
         assert plan.parts["(rollout forward)"] > 0, (preset, model)
+
+
+def _write_component_configs(pipe, root) -> None:
+    """A diffusers folder holding only what the planner reads: model_index.json and each
+    module component's config.json (the configs the tiny pipeline was built from)."""
+    import diffusers
+
+    index = {"_class_name": type(pipe).__name__}
+    for name, comp in pipe.components.items():
+        if not isinstance(comp, torch.nn.Module):
+            continue
+        lib = "diffusers" if isinstance(comp, diffusers.ModelMixin) else "transformers"
+        index[name] = [lib, type(comp).__name__]
+        (root / name).mkdir()
+        if lib == "diffusers":
+            comp.save_config(root / name)
+        else:
+            comp.config.to_json_file(root / name / "config.json")
+    (root / "model_index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    "kind, preset",
+    [
+        ("flux2_klein", "flux2-klein-pickscore"),
+        ("z_image", "z-image-pickscore"),
+        ("qwen_image21", "qwen-image-21-pickscore"),
+        ("hunyuan_video15", "hunyuan-video15-pickscore"),
+    ],
+)
+def test_new_families_param_counts_equal_their_tiny_pipelines(kind, preset, tmp_path):
+    """The planner's counts for the newer families equal the instantiated models' (every
+    component) and peft's LoRA count with the preset's rank and the family's targets."""
+    from peft import LoraConfig
+
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
+    from flowgrpo.models.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(kind)
+    _write_component_configs(pipe, tmp_path)
+    cfg = load_config(preset, [f"model.path={tmp_path}"], check_paths=False)
+    plan = plan_memory(cfg, 1, 80, device="cpu")
+    real = {
+        name: sum(p.numel() for p in comp.parameters())
+        for name, comp in pipe.components.items()
+        if isinstance(comp, torch.nn.Module)
+    }
+    assert plan.params["trained"] == real.pop("transformer")
+    assert {k: plan.params[k] for k in real} == real
+    adapter_cls = import_adapter(SUPPORTED_PIPELINES[type(pipe).__name__])
+    model = pipe.transformer
+    targets = list(adapter_cls.lora_target_modules)
+    model.add_adapter(LoraConfig(r=cfg.lora.rank, target_modules=targets))
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert plan.params["lora"] == lora > 0
