@@ -164,3 +164,20 @@ def test_algorithms_report_table_and_plot(tmp_path):
     assert "| 3/3 | 70 s | 1.00 | 5600 | +0.021 (+0.020–+0.022) |" in rows[0]
     assert "| 0/3 | — | — |" in rows[2]
     assert (tmp_path / "algorithms_toy.png").stat().st_size > 1000
+
+
+def test_algorithms_time_is_step_times_the_quiet_step():
+    """finish() times every eval by its step x the row's quiet per-step time, keeps the runs'
+    measured CPU time, and names the best row against Flow-GRPO."""
+    from bench.algorithms import ROWS, finish
+
+    rows = (ROWS[0], ROWS[1])
+    runs = {r.key: [_toy_run(9.0, True, s) for s in range(2)] for r in rows}  # measured 9 s/step
+    out = finish(runs, {"flow_grpo": 2.0, "mix_grpo": 0.5}, rows, (0, 1), 40, 5)
+    curve = out["runs"]["mix_grpo"][0]["curve"]
+    assert [c["train_s"] for c in curve[:3]] == [0.0, 2.5, 5.0]
+    assert [c["cpu_s"] for c in curve[:3]] == [0.0, 45.0, 90.0]
+    assert out["summary"]["flow_grpo"]["time_to_target_s"]["median"] == 70.0  # step 35 x 2 s
+    assert out["budget_s"] == 20.0  # mix_grpo's step 40 x 0.5 s
+    assert out["best"]["row"] == "mix_grpo"
+    assert out["best"]["time_to_target_over_flow_grpo"] == 0.25
