@@ -62,6 +62,21 @@ def _flowgrpo(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
+def _tiny_clip(path: Path) -> Path:
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+
+    text = {"vocab_size": 40, "hidden_size": 32, "intermediate_size": 37}
+    vision = {"hidden_size": 32, "intermediate_size": 37, "image_size": 32, "patch_size": 8}
+    for cfg in (text, vision):
+        cfg.update(num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ).save_pretrained(path)
+    return path
+
+
 def _pixels(path: Path) -> np.ndarray:
     with Image.open(path) as im:
         return np.asarray(im.convert("RGB"))
@@ -105,7 +120,7 @@ def test_edit_run_journey(tmp_path) -> None:
         {"prompt": "two dogs", "image": "images/1.png"},
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    preset = tmp_path / "edit.yaml"  # a user's own YAML (no shipped edit preset yet)
+    preset = tmp_path / "edit.yaml"  # a user's own YAML (the settings: SMALL)
     preset.write_text("seed: 0\n")
     common = [f"model.path={tmp_path / 'model'}", *SMALL]
 
@@ -122,12 +137,18 @@ def test_edit_run_journey(tmp_path) -> None:
     assert not (tmp_path / "bad").exists()
 
     run = tmp_path / "run"
+    clip = _tiny_clip(tmp_path / "clip")  # the similarity-to-source reward beside the task's
     train = [
         "train", str(preset), *common, f"data.train_prompts={prompts}", "trainer.eval_every=0",
         "sample.prompts_per_step=1",  # 2 samples a step: each encodes its source at ~1024²
+        "reward=jpeg_compressibility:1.0,image_similarity:0.2",
+        f"reward.image_similarity.options.path={clip}",
     ]  # fmt: skip
     _flowgrpo(*train, "trainer.max_steps=3", "trainer.save_every=1", f"run.output_dir={run}")
-    assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+    lines = _metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    sims = [m["reward/image_similarity_mean"] for m in lines]
+    assert all(-1.0 <= x <= 1.0 for x in sims)
 
     # resume: a copy of the run as it was after step 2 continues to the same step 3
     resumed = tmp_path / "resumed"

@@ -289,7 +289,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     cfg, dist = run.cfg, run.dist
     if dist.device.type == "cuda":  # this step's peak, not the run's
         torch.cuda.reset_peak_memory_stats(dist.device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     indices, groups = run.sampler.global_step_samples(step - 1)  # all ranks, groups of K
     start, count = rank_slice(len(indices), run.engine.dp_size, run.engine.dp_rank)
     mine = list(range(start, start + count))  # this rank's global sample numbers
@@ -307,7 +307,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     if plan.train:  # MixGRPO's empty window trains nothing
         seeds = [setup.sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
-    t3 = time.perf_counter()
+    t3, cpu3 = time.perf_counter(), time.process_time()
     memory = all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
     if not bool(combined.advantages.any()):  # every group's rewards were equal
         train_metrics = {
@@ -324,6 +324,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         "time/reward_s": reward_s,
         "time/train_s": t3 - t2,
         "time/step_s": t3 - t0,
+        "time/step_cpu_s": cpu3 - cpu0,  # this process's CPU time: fair on a shared machine
         "images_per_s": len(indices) / max(t3 - t0, 1e-9),
         "images_per_s_per_gpu": len(indices) / max(t3 - t0, 1e-9) / dist.world_size,
         **{k: max(m[k] for m in memory) for k in memory[0]},
