@@ -13,8 +13,44 @@ from flowgrpo.testing.ranks import rank_env
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
 ADVANTAGES = torch.tensor([1.0, -0.5])
-KINDS = ("qwen_image", "flux", "sd3", "wan", "wan22", "flux2", "flux2_klein", "flux_kontext")
+KINDS = (
+    "qwen_image",
+    "flux",
+    "sd3",
+    "wan",
+    "wan22",
+    "flux2",
+    "flux2_klein",
+    "qwen_image_edit",
+    "qwen_image_edit_plus",
+    "flux_kontext",
+)
 MODES = ("lora", "full")
+#: editing kinds: (height, width, each prompt's source images as (height, width) pixels, the
+#: VAE view's pixel area, the source tokens). The pipelines resize a source to ~1024² pixels
+#: (multiples of 32, aspect kept); scaled down here to 64 x 192 to keep the test fast: a 1:3
+#: source becomes 64 x 192 pixels, 2 x 6 latents of the tiny VAE (factor 32), 1 x 3 tokens
+#: (2x2 packing). Qwen-Image-Edit: 1 x 3 noised + 3 source tokens; the 3 noised alone do not
+#: split over sp = 2, so SP runs only if the source tokens are counted and split with them.
+#: Edit-Plus: 2 x 3 noised + 3 + 3 source tokens (two sources, 3:1 and 1:3).
+EDITS = {
+    "qwen_image_edit": (64, 192, [(20, 60)], 64 * 192, 3),
+    "qwen_image_edit_plus": (128, 192, [(20, 60), (60, 20)], 64 * 192, 6),
+    # FLUX.1 Kontext with model.source_size=64: one source token (1 x 1 after the 2x2 packing)
+    # beside the 1 x 3 noised ones (its vae_area is unused)
+    "flux_kontext": (64, 192, [(20, 60)], 64 * 192, 1),
+}
+
+
+def source_images(kind: str) -> list[list[torch.Tensor]] | None:
+    """One list of random [3, H, W] source images in [0, 1] per prompt (8-bit values)."""
+    if kind not in EDITS:
+        return None
+    g = torch.Generator().manual_seed(7)
+    return [
+        [torch.randint(0, 256, (3, h, w), generator=g).float() / 255 for h, w in EDITS[kind][2]]
+        for _ in PROMPTS
+    ]
 
 
 def run(kind: str, mode: str, sp: int) -> dict:
@@ -23,7 +59,6 @@ def run(kind: str, mode: str, sp: int) -> dict:
     from flowgrpo.models import build_adapter
     from flowgrpo.models.tiny import tiny_pipeline
     from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
-    from flowgrpo.testing.conformance import family
     from flowgrpo.trainer.setup import build_engine
 
     cfg = config_from_dict(
@@ -43,10 +78,13 @@ def run(kind: str, mode: str, sp: int) -> dict:
         "wan22": {"num_frames": 5},
         "flux2": {"max_sequence_length": 64},  # text and image tokens both split over sp=2
         "flux2_klein": {"max_sequence_length": 64},
-        "flux_kontext": {"max_sequence_length": 16},
+        "flux_kontext": {"max_sequence_length": 16, "source_size": 64},
     }
     options = options.get(kind, {})
     adapter = build_adapter(pipe, **options)
+    images = source_images(kind)
+    if images is not None:
+        adapter.vae_area = EDITS[kind][3]
     engine, algo = build_engine(cfg, adapter, init_distributed())
     seen: list[int] = []  # tokens reaching proj_out on this rank (halved under SP: the
     # output is gathered after it)
@@ -56,11 +94,9 @@ def run(kind: str, mode: str, sp: int) -> dict:
             lambda module, args: seen.append(args[0].shape[1])
         )
     g = 3.5 if kind == "flux" else 4.0
-    # an editing family's conformance sources (the prompts are its first two); FLUX.1
-    # Kontext: 128 px (VAE x32), 4 noised + 242 source tokens split over sp=2
-    images = family(kind).source_images(PROMPTS)
-    size = 32 if images is None else 128
-    kw = dict(num_steps=3, guidance_scale=g, height=size, width=size, decode=False, images=images)
+    height, width = EDITS[kind][:2] if kind in EDITS else (32, 32)
+    kw = dict(num_steps=3, guidance_scale=g, height=height, width=width, decode=False)
+    kw["images"] = images
 
     def gens():
         return [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]

@@ -83,3 +83,42 @@ def test_the_planner_counts_the_source_tokens():
     assert FluxKontextAdapter.token_counts(configs, 512, 512, {}).image == 1024 + 4096
     sized = FluxKontextAdapter.token_counts(configs, 512, 512, {"source_size": 512})
     assert sized.image == 1024 + 1024
+
+
+def test_the_preset_loads_with_flow_grpos_values(tmp_path):
+    """flux-kontext-counting: flow_grpo's counting_flux_kontext (config/grpo.py:654-690)."""
+    from PIL import Image
+
+    from flowgrpo import cli
+    from flowgrpo.config import load_config
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "src.png")
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text('{"prompt": "two clocks", "image": "src.png"}\n')
+    cfg = load_config(
+        "flux-kontext-counting",
+        [
+            f"model.path={tmp_path}",
+            f"data.train_prompts={edits}",
+            f"reward.image_similarity.options.path={tmp_path}",
+        ],
+    )
+    assert cli.main(["config", "show", "flux-kontext-counting"]) == 0
+    assert [(r.name, r.label, r.weight) for r in cfg.reward] == [
+        ("image_similarity", "image_similarity", 0.5),
+        ("remote", "geneval", 0.5),
+    ]
+    s = cfg.sample
+    assert (s.num_steps, s.eval_num_steps, s.guidance_scale, s.noise_level) == (6, 28, 2.5, 0.9)
+    assert (s.prompts_per_step, s.group_size, cfg.model.height, cfg.model.source_size) == (
+        48,
+        21,
+        512,
+        512,
+    )
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.flow_grpo.kl_beta, cfg.ema.enabled) == (
+        64,
+        128,
+        0.0,
+        True,
+    )

@@ -56,6 +56,8 @@ class SequenceParallelSpec:
     text_mask_kwarg: str | None = None
     #: other per-text-token inputs, zero-padded along their token dim (dim -2)
     zero_padded_kwargs: tuple[str, ...] = ()
+    #: what ``image_tokens`` counts, for the error when they do not split over sp
+    image_token_rule: str = "latent h/2 x w/2"
 
     def cp_plan(self, transformer: nn.Module) -> dict[str, Any] | None:
         """The context-parallel plan for ``enable_parallelism``: diffusers' ``_cp_plan``."""
