@@ -83,6 +83,8 @@ class FluxSequenceParallel(SequenceParallelSpec):
     name = "flux"
     transformer_class = "FluxTransformer2DModel"
     zero_padded_kwargs = ("txt_ids",)
+    #: FLUX.1 Kontext's transformer is this class too: its source tokens split with the rest
+    image_token_rule = "latent h/2 x w/2, plus the source image's tokens of FLUX.1 Kontext"
 
     def attention_processor(self, module: nn.Module) -> Any:
         return maskable_processor(module.processor)
