@@ -9,7 +9,8 @@ are the same):
   ~1024² pixels, the pipeline's ``_auto_resize``), floored to multiples of VAE factor x 2;
   resized (``image_processor.resize``) and preprocessed to [-1, 1]; VAE-encoded ("argmax",
   ``(z - shift) * scale``, in the text encoder's dtype as the pipeline's ``prepare_latents``)
-  and packed 2x2, once per sample (both guidance branches share it).
+  and packed 2x2, once per sample (both guidance branches share it). ``source_size=N``
+  (``model.source_size``) resizes every source to N x N instead (flow_grpo's training: 512).
 - the source tokens are concatenated after the noised tokens along the sequence; their
   position ids are the pipeline's image ids with the first coordinate 1 (the noised tokens'
   is 0); the transformer's output is cut back to the noised tokens. They are never noised nor
