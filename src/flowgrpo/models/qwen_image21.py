@@ -42,7 +42,10 @@ from flowgrpo.models.qwen_image import QwenImageAdapter
 
 # -- sequence parallelism: a block-causal CP processor, a cp plan, trailing text padding -------
 def block_causal_mask(
-    segments: list[tuple[int, int, bool]], key_valid: torch.Tensor | None, seq_len: int
+    segments: list[tuple[int, int, bool]],
+    key_valid: torch.Tensor | None,
+    seq_len: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """The dense boolean form [B or 1, 1, S, S] (True = attend) of Qwen-Image 2.1's attention
     over the whole joint sequence: ``(q >= k) or same image block``, keys where ``key_valid``.
@@ -53,7 +56,6 @@ def block_causal_mask(
     keys ``key_valid`` marks invalid) is counted in the model's prefix length, whose last run
     then holds the target's first tokens: the prefix is shortened by that padding, found on the
     device (no sync). Padded queries are causal (they see every real key: no empty row)."""
-    device = key_valid.device if key_valid is not None else None
     idx = torch.arange(seq_len, device=device)
     prefix = torch.tensor(segments[-1][1] if segments else 0, device=device)
     pad = torch.zeros((), dtype=torch.long, device=device)
@@ -108,7 +110,9 @@ class CPQwenImage21AttnProcessor:
         )
         cp = getattr(self._parallel_config, "context_parallel_config", None)
         world = 1 if cp is None else cp._flattened_mesh.size()
-        mask = block_causal_mask(segments, key_valid, hidden_states.shape[1] * world)
+        mask = block_causal_mask(
+            segments, key_valid, hidden_states.shape[1] * world, hidden_states.device
+        )
         out = dispatch_attention_fn(
             query,
             key,
