@@ -1,47 +1,91 @@
 """The algorithms compared on the toy by time-to-reward (``python -m bench --sections algorithms``).
 
-Each algorithm trains the default preset (``flowgrpo train toy-digits algorithm=NAME``) with
-the same seed and the same number of steps in a subprocess, evaluating every few steps. From
-its metrics.jsonl and eval.jsonl: eval accuracy, judge accuracy and diversity against training
-wall time (the steps' own time, evals excluded) and images; the time to judge accuracy 0.95;
-the final judge accuracy; the diversity at that point. ``write_report`` puts the table and a
-plot into docs/algorithms.md.
+Each row trains the default preset (``flowgrpo train toy-digits algorithm=NAME``, plus the
+row's own overrides) for the same number of steps with the same eval schedule, once per seed,
+one run at a time in a subprocess on one thread. A row does the same work at every step (same
+batch, same trained steps), so its time to a point of the curve is that point's step times the
+row's per-step time on a quiet machine (``quiet_step_s``: the median CPU time of steps 2-5 of a
+short run without evals, the least of two rounds over every row, measured after the training
+runs; evals are never counted). A shared machine inflates even the CPU time of identical steps
+(Flow-GRPO's three seeds measured 2.5, 2.9 and 3.2 s/step median beside other jobs), so the
+runs' own per-step times are kept (``cpu_s``, ``wall_s``) but not used for the table.
+
+Per row, over the seeds: the median and range of the time and of the images generated until
+judge accuracy first reaches ``TARGET``; the judge − reward-accuracy gap and the diversity
+there; the judge accuracy at a common time budget (the shortest 40-step run of all); the final
+values at the last step. ``write_report`` puts the table and the plot (judge accuracy against
+time, median and range) into docs/algorithms.md.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-ALGORITHMS = ("flow_grpo", "mix_grpo", "grpo_guard", "nft")
 TARGET = 0.95  # judge accuracy
+SEEDS = (0, 1, 2)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_one(algorithm: str, out: Path, steps: int, eval_every: int) -> dict[str, object]:
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: an algorithm with the toy preset's settings for it (its authors'
+    adapted to the toy, documented in the preset) plus ``overrides`` (a tuning is its own row)."""
+
+    key: str
+    algorithm: str
+    overrides: tuple[str, ...] = ()
+    settings: str = "toy preset (authors' settings adapted)"
+
+
+ROWS = (
+    Row("flow_grpo", "flow_grpo"),
+    Row("mix_grpo", "mix_grpo"),
+    Row("grpo_guard", "grpo_guard"),
+    Row(
+        "nft",
+        "nft",
+        ("nft.timesteps=null", "nft.kl_beta=1.0e-4"),
+        "authors': every noise level, KL 1e-4",
+    ),
+    Row("nft_tuned", "nft", (), "tuned on the toy (preset): 3 noise levels, KL 0.01"),
+    Row("awm", "awm"),
+    Row("flow_dppo", "flow_dppo"),
+)
+ALGORITHMS = tuple(r.key for r in ROWS)  # the table's rows, in order
+
+
+def run_one(row: Row, seed: int, out: Path, steps: int, eval_every: int) -> dict[str, object]:
+    """One training run; its eval curve against the steps' CPU time, and where it crosses."""
     from flowgrpo.trainer.logging import read_jsonl
 
-    args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", f"algorithm={algorithm}"]
-    args += [f"trainer.max_steps={steps}", f"trainer.eval_every={eval_every}"]
+    args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", f"algorithm={row.algorithm}"]
+    args += [f"seed={seed}", f"trainer.max_steps={steps}", f"trainer.eval_every={eval_every}"]
     args += ["trainer.save_every=0", "run.tensorboard=false", "run.progress_bar=false"]
-    args += [f"run.output_dir={out}"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    args += ["run.num_threads=1", f"run.output_dir={out}", *row.overrides]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     child = subprocess.run(args, env=env, capture_output=True, text=True)
     if child.returncode:
-        raise RuntimeError(f"{algorithm}: exit {child.returncode}: {child.stderr[-2000:]}")
+        raise RuntimeError(
+            f"{row.key} seed {seed}: exit {child.returncode}: {child.stderr[-2000:]}"
+        )
     rows, evals = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "eval.jsonl")
-    clock = {0: 0.0}
-    samples = {0: 0}
-    for r in rows:  # training wall time and images up to each step
-        clock[r["step"]] = clock[r["step"] - 1] + r["time/step_s"]
+    clock, wall, samples = {0: 0.0}, {0: 0.0}, {0: 0}
+    for r in rows:  # training CPU time, wall time and images up to each step
+        clock[r["step"]] = clock[r["step"] - 1] + r["time/step_cpu_s"]
+        wall[r["step"]] = wall[r["step"] - 1] + r["time/step_s"]
         samples[r["step"]] = r["samples"]
     curve = [
         {
             "step": e["step"],
-            "train_s": clock[e["step"]],
+            "train_s": clock[e["step"]],  # until finish() times it by the quiet step
+            "cpu_s": clock[e["step"]],
+            "wall_s": wall[e["step"]],
             "images": samples[e["step"]],
             "accuracy": e["eval/accuracy"],
             "judge_accuracy": e["eval/judge_accuracy"],
@@ -49,32 +93,196 @@ def run_one(algorithm: str, out: Path, steps: int, eval_every: int) -> dict[str,
         }
         for e in evals
     ]
+    return summarize_run(curve)
+
+
+def quiet_step_s(row: Row, out: Path, steps: int = 5) -> float:
+    """The median CPU time of steps 2..``steps`` of a short run of ``row`` (evals only at
+    steps 0 and last, outside the steps' time)."""
+    from flowgrpo.trainer.logging import read_jsonl
+
+    args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", f"algorithm={row.algorithm}"]
+    args += [f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0"]
+    args += ["run.tensorboard=false", "run.progress_bar=false", "run.num_threads=1"]
+    args += [f"run.output_dir={out}", "data.eval_samples_per_prompt=1", *row.overrides]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    child = subprocess.run(args, env=env, capture_output=True, text=True)
+    if child.returncode:
+        raise RuntimeError(f"{row.key}: exit {child.returncode}: {child.stderr[-2000:]}")
+    times = [r["time/step_cpu_s"] for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
+    return statistics.median(times)
+
+
+def calibrate(rows: tuple[Row, ...], rounds: int = 2) -> dict[str, float]:
+    """Each row's per-step time on a quiet machine: the least of ``rounds`` rounds over every
+    row (rounds interleave the rows, so a burst of other work hits one measurement of each)."""
+    best: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(rounds):
+            for row in rows:
+                t = quiet_step_s(row, Path(tmp) / f"{row.key}_{i}")
+                best[row.key] = min(best.get(row.key, t), t)
+    return best
+
+
+def with_step_cost(curve: list[dict], step_s: float) -> list[dict]:
+    """``curve`` with ``train_s`` = step x the row's quiet per-step time (the runs' measured
+    CPU time kept as ``cpu_s``)."""
+    return [
+        {**c, "cpu_s": c.get("cpu_s", c["train_s"]), "train_s": c["step"] * step_s} for c in curve
+    ]
+
+
+def summarize_run(curve: list[dict]) -> dict[str, object]:
+    """The crossing of ``TARGET`` (the first eval after step 0 at or above it) and the end."""
     reached = next((c for c in curve if c["judge_accuracy"] >= TARGET and c["step"] > 0), None)
+    at = (lambda key: reached[key]) if reached else (lambda key: None)
     return {
         "curve": curve,
-        "time_to_target_s": reached["train_s"] if reached else None,
-        "images_to_target": reached["images"] if reached else None,
-        "accuracy_at_target": reached["accuracy"] if reached else None,
-        "judge_at_target": reached["judge_accuracy"] if reached else None,
-        "diversity_at_target": reached["diversity"] if reached else None,
+        "time_to_target_s": at("train_s"),
+        "images_to_target": at("images"),
+        "accuracy_at_target": at("accuracy"),
+        "judge_at_target": at("judge_accuracy"),
+        "gap_at_target": reached and reached["judge_accuracy"] - reached["accuracy"],
+        "diversity_at_target": at("diversity"),
+        "final_step": curve[-1]["step"],
         "final_judge_accuracy": curve[-1]["judge_accuracy"],
         "final_accuracy": curve[-1]["accuracy"],
         "final_diversity": curve[-1]["diversity"],
-        "train_s": clock[rows[-1]["step"]],
+        "train_s": curve[-1]["train_s"],
     }
 
 
-def bench_algorithms(*, quick: bool = False) -> dict[str, object]:
-    steps, every = (1, 1) if quick else (40, 2)
-    out: dict[str, object] = {"steps": steps, "eval_every": every, "target_judge": TARGET}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ALGORITHMS:
-            out[name] = run_one(name, Path(tmp) / name, steps, every)
-    base = out["flow_grpo"]["time_to_target_s"]
-    for name in ALGORITHMS:
-        t = out[name]["time_to_target_s"]
-        out[name]["time_to_target_over_flow_grpo"] = t / base if t and base else None
+def judge_at(curve: list[dict], t: float) -> float:
+    """The judge accuracy of the last eval at or before training time ``t``."""
+    return [c["judge_accuracy"] for c in curve if c["train_s"] <= t][-1]
+
+
+@dataclass
+class Spread:
+    """Median and range over the seeds; ``n`` of them had a value (a run that never crossed
+    has none)."""
+
+    median: float | None
+    low: float | None
+    high: float | None
+    n: int
+    values: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, values: list) -> Spread:
+        have = [v for v in values if v is not None]
+        if not have:
+            return cls(None, None, None, 0, list(values))
+        return cls(statistics.median(have), min(have), max(have), len(have), list(values))
+
+
+def summarize(runs: dict[str, list[dict]], budget_s: float) -> dict[str, dict[str, object]]:
+    """Per row: every figure's median and range over its seeds, and the judge at the budget."""
+    keys = (
+        "time_to_target_s",
+        "images_to_target",
+        "accuracy_at_target",
+        "judge_at_target",
+        "gap_at_target",
+        "diversity_at_target",
+        "final_accuracy",
+        "final_judge_accuracy",
+        "final_diversity",
+        "train_s",
+    )
+    out = {}
+    for key, seeds in runs.items():
+        figures = {k: vars(Spread.of([r[k] for r in seeds])) for k in keys}
+        figures["judge_at_budget"] = vars(
+            Spread.of([judge_at(r["curve"], budget_s) for r in seeds])
+        )
+        out[key] = figures
+    base = out["flow_grpo"]["time_to_target_s"]["median"]
+    for figures in out.values():
+        t = figures["time_to_target_s"]["median"]
+        figures["time_to_target_over_flow_grpo"] = t / base if t is not None and base else None
     return out
+
+
+def bench_algorithms(
+    *, quick: bool = False, rows: tuple[Row, ...] = ROWS, seeds: tuple[int, ...] = SEEDS
+) -> dict[str, object]:
+    steps, every = (1, 1) if quick else (40, 2)
+    seeds = seeds[:1] if quick else seeds
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            runs[row.key] = [
+                run_one(row, s, Path(tmp) / f"{row.key}_{s}", steps, every) for s in seeds
+            ]
+            print(f"algorithms: {row.key} done", file=sys.stderr, flush=True)
+    return finish(runs, calibrate(rows, rounds=1 if quick else 2), rows, seeds, steps, every)
+
+
+def finish(
+    runs: dict[str, list[dict]],
+    step_s: dict[str, float],
+    rows: tuple[Row, ...],
+    seeds: tuple[int, ...],
+    steps: int,
+    every: int,
+) -> dict[str, object]:
+    """The results: each run's curve timed by its row's quiet per-step time, the summary over
+    the seeds (the common budget: the shortest last step of all), and the best row."""
+    runs = {
+        key: [summarize_run(with_step_cost(r["curve"], step_s[key])) for r in seeds_]
+        for key, seeds_ in runs.items()
+    }
+    budget = min(r["train_s"] for seeds_ in runs.values() for r in seeds_)
+    out: dict[str, object] = {
+        "steps": steps,
+        "eval_every": every,
+        "target_judge": TARGET,
+        "seeds": list(seeds),
+        "time": "step x the row's per-step CPU time on a quiet machine, one thread (s)",
+        "step_s": step_s,
+        "budget_s": budget,
+        "rows": {
+            r.key: {
+                "algorithm": r.algorithm,
+                "overrides": list(r.overrides),
+                "settings": r.settings,
+            }
+            for r in rows
+        },
+        "runs": runs,
+        "summary": summarize(runs, budget),
+    }
+    best = min(
+        (k for k in out["summary"] if k != "flow_grpo"),
+        key=lambda k: out["summary"][k]["time_to_target_over_flow_grpo"] or float("inf"),
+    )
+    out["best"] = {
+        "row": best,
+        "time_to_target_over_flow_grpo": out["summary"][best]["time_to_target_over_flow_grpo"],
+        "diversity_at_target_over_flow_grpo": _ratio(
+            out["summary"][best]["diversity_at_target"]["median"],
+            out["summary"]["flow_grpo"]["diversity_at_target"]["median"],
+        ),
+    }
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def median_band(curves: list[list[dict]], grid: list[float]) -> tuple[list, list, list]:
+    """Median, low and high judge accuracy over ``curves`` at each time of ``grid`` (each
+    curve held at its last eval: a step function, as the runs were seen)."""
+    med, low, high = [], [], []
+    for t in grid:
+        values = [judge_at(c, t) for c in curves]
+        med.append(statistics.median(values))
+        low.append(min(values))
+        high.append(max(values))
+    return med, low, high
 
 
 def write_report(results: dict, doc: Path = ROOT / "docs" / "algorithms.md") -> None:
@@ -84,52 +292,71 @@ def write_report(results: dict, doc: Path = ROOT / "docs" / "algorithms.md") -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for name in ALGORITHMS:
-        curve = results[name]["curve"]
-        t = [c["train_s"] for c in curve]
-        for ax, key in zip(axes, ("accuracy", "judge_accuracy", "diversity"), strict=True):
-            ax.plot(t, [c[key] for c in curve], marker="o", ms=3, label=name)
-            ax.set_title(key.replace("_", " "))
-            ax.set_xlabel("training wall time (s)")
-    axes[1].axhline(TARGET, color="grey", lw=0.8, ls="--")
-    axes[0].legend()
+    summary, runs = results["summary"], results["runs"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    end = max(r["train_s"] for seeds in runs.values() for r in seeds)
+    grid = [end * i / 400 for i in range(401)]
+    for key, seeds in runs.items():
+        med, low, high = median_band([r["curve"] for r in seeds], grid)
+        (line,) = axes[0].step(grid, med, where="post", label=key, lw=1.4)
+        axes[0].fill_between(grid, low, high, step="post", alpha=0.15, color=line.get_color())
+        for i, r in enumerate(seeds):  # diversity against judge accuracy, each seed
+            axes[1].plot(
+                [c["judge_accuracy"] for c in r["curve"]],
+                [c["diversity"] for c in r["curve"]],
+                marker="o", ms=2, lw=0.6, color=line.get_color(),
+                label=key if i == 0 else None,
+            )  # fmt: skip
+    axes[0].axhline(TARGET, color="grey", lw=0.8, ls="--")
+    axes[0].set_xlabel("training time (s): step x the row's quiet step time, one CPU thread")
+    axes[0].set_ylabel("judge accuracy (median, range over seeds)")
+    axes[0].set_ylim(0.5, 1.01)
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel("judge accuracy")
+    axes[1].set_ylabel("diversity")
+    axes[1].axvline(TARGET, color="grey", lw=0.8, ls="--")
     fig.tight_layout()
     png = doc.parent / "algorithms_toy.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
-    def fmt(v, spec=".3f"):
-        return "—" if v is None else format(v, spec)
+    def fmt(s: dict, spec: str = ".3f", unit: str = "") -> str:
+        if s["median"] is None:
+            return "—"
+        if s["low"] == s["high"]:
+            return f"{s['median']:{spec}}{unit}"
+        return f"{s['median']:{spec}}{unit} ({s['low']:{spec}}–{s['high']:{spec}})"
 
+    n = len(results["seeds"])
     lines = [
-        "| algorithm | time to judge ≥ 0.95 | × Flow-GRPO | images | accuracy / judge / "
-        "diversity there | final accuracy / judge / diversity |",
-        "|---|---|---|---|---|---|",
+        f"| row | settings | reached | time to judge ≥ {TARGET} | × Flow-GRPO | images | "
+        f"judge − accuracy there | diversity there | judge at {results['budget_s']:.0f} s | "
+        f"step {results['steps']}: accuracy / judge / diversity |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in ALGORITHMS:
-        r = results[name]
-        there = f"{fmt(r['accuracy_at_target'])} / {fmt(r['judge_at_target'])} / " + fmt(
-            r["diversity_at_target"]
+    for key, s in summary.items():
+        ratio = s["time_to_target_over_flow_grpo"]
+        final = " / ".join(
+            f"{s[k]['median']:.3f}"
+            for k in ("final_accuracy", "final_judge_accuracy", "final_diversity")
         )
-        final = f"{fmt(r['final_accuracy'])} / {fmt(r['final_judge_accuracy'])} / " + fmt(
-            r["final_diversity"]
-        )
-        t = r["time_to_target_s"]
         lines.append(
-            f"| `{name}` | {'not reached' if t is None else f'{t:.0f} s'} | "
-            f"{fmt(r['time_to_target_over_flow_grpo'], '.2f')} | "
-            f"{r['images_to_target'] or '—'} | {there} | {final} |"
+            f"| `{key}` | {results['rows'][key]['settings']} | "
+            f"{s['time_to_target_s']['n']}/{n} | {fmt(s['time_to_target_s'], '.0f', ' s')} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}'} | {fmt(s['images_to_target'], '.0f')} | "
+            f"{fmt(s['gap_at_target'], '+.3f')} | {fmt(s['diversity_at_target'])} | "
+            f"{fmt(s['judge_at_budget'])} | {final} |"
         )
     table = "\n".join(lines)
     text = doc.read_text()
-    start, end = "<!-- toy comparison: start -->", "<!-- toy comparison: end -->"
-    body = f"{start}\n{table}\n\n![toy comparison](algorithms_toy.png)\n{end}"
+    start, stop = "<!-- toy comparison: start -->", "<!-- toy comparison: end -->"
+    body = f"{start}\n{table}\n\n![toy comparison](algorithms_toy.png)\n{stop}"
     if start in text:
-        text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
+        text = text[: text.index(start)] + body + text[text.index(stop) + len(stop) :]
     else:
         text += "\n" + body + "\n"
     doc.write_text(text)
 
 
-__all__ = ["ALGORITHMS", "bench_algorithms", "write_report"]
+__all__ = ["ALGORITHMS", "ROWS", "Row", "bench_algorithms", "calibrate", "finish", "summarize",
+           "write_report"]  # fmt: skip

@@ -91,45 +91,93 @@ def test_quick_benchmark_writes_every_field(tmp_path):
     assert {"wall_s", "peak_rss_mb", "steps", "base_accuracy", "final_accuracy"} <= set(toy)
     assert toy["steps"] == 2 and toy["peak_rss_mb"] > 0
     figures = {row["figure"] for row in results["targets"]}
-    # the allocator's peaks come from extra profiled runs that --quick leaves out
-    assert figures == set(TARGETS) - {"sharded_alloc_over_floor"}
+    # the allocator's peaks come from extra profiled runs that --quick leaves out; the
+    # algorithms' targets come from the algorithms section (not run here)
+    algorithms = {"time_to_target_over_flow_grpo", "diversity_at_target_over_flow_grpo"}
+    assert figures == set(TARGETS) - {"sharded_alloc_over_floor"} - algorithms
+
+
+def _toy_run(scale: float, reached: bool, seed: int) -> dict:
+    """A synthetic run: judge accuracy rises 0.01 a step from 0.6 (0.95 at step 35) over
+    ``scale`` seconds a step; an unreached run stays below the target."""
+    from bench.algorithms import summarize_run
+
+    top = 1.0 if reached else 0.9
+    curve = [
+        {"step": s, "train_s": s * scale, "wall_s": s * scale, "images": 160 * s,
+         "accuracy": min(0.58 + 0.01 * s, top), "judge_accuracy": min(0.6 + 0.01 * s + 0.001 * seed, top),
+         "diversity": 0.3 - 0.001 * s}
+        for s in range(0, 41, 5)
+    ]  # fmt: skip
+    return summarize_run(curve)
+
+
+def test_algorithms_summary_is_median_and_range_over_seeds():
+    """Crossing, medians, ranges, the common budget and the ratio to Flow-GRPO, by hand."""
+    from bench.algorithms import summarize
+
+    runs = {
+        "flow_grpo": [_toy_run(2.0 + 0.1 * s, True, s) for s in range(3)],
+        "slow": [_toy_run(1.0, True, 0), _toy_run(1.0, False, 1), _toy_run(1.0, False, 2)],
+    }
+    # flow_grpo seeds cross at step 35 (judge 0.950, 0.951, 0.952): times 70, 73.5, 77 s
+    summary = summarize(runs, budget_s=40.0)
+    t = summary["flow_grpo"]["time_to_target_s"]
+    assert (t["median"], t["low"], t["high"], t["n"]) == pytest.approx((73.5, 70.0, 77.0, 3))
+    assert summary["flow_grpo"]["gap_at_target"]["median"] == pytest.approx(0.021)
+    assert summary["slow"]["time_to_target_s"]["n"] == 1  # one seed of three crossed
+    assert summary["slow"]["time_to_target_over_flow_grpo"] == pytest.approx(35 / 73.5)
+    # at 40 s flow_grpo's seeds have their evals at 35, 40, 35 s: steps 15 (2.0, 2.2 s/step)
+    # and 15 (2.1 s/step: step 20 is at 42 s)
+    judge = summary["flow_grpo"]["judge_at_budget"]
+    assert judge["values"] == pytest.approx([0.8, 0.751, 0.752])
+    assert summary["slow"]["judge_at_budget"]["median"] == pytest.approx(0.9)
 
 
 def test_algorithms_report_table_and_plot(tmp_path):
-    """write_report puts one row per algorithm (an unreached target says so) and the plot
+    """write_report puts one row per table row (an unreached target says so) and the plot
     between the markers of the doc, keeping the text around them."""
-    from bench.algorithms import ALGORITHMS, write_report
+    from bench import algorithms
+    from bench.algorithms import ROWS, summarize
 
-    def result(reached: bool, scale: float) -> dict:
-        curve = [
-            {"step": s, "train_s": s * scale, "images": 160 * s, "accuracy": 0.6 + 0.01 * s,
-             "judge_accuracy": 0.6 + 0.01 * s, "diversity": 0.3 - 0.001 * s}
-            for s in range(0, 41, 10)
-        ]  # fmt: skip
-        there = curve[3] if reached else None
-        return {
-            "curve": curve,
-            "time_to_target_s": there and there["train_s"],
-            "images_to_target": there and there["images"],
-            "accuracy_at_target": there and there["accuracy"],
-            "judge_at_target": there and there["judge_accuracy"],
-            "diversity_at_target": there and there["diversity"],
-            "final_judge_accuracy": 0.9,
-            "final_accuracy": 0.91,
-            "final_diversity": 0.2,
-            "time_to_target_over_flow_grpo": (scale / 2.0) if reached else None,
-        }
-
-    results = {name: result(name != "grpo_guard", 2.0 - 0.5 * i) for i, name in
-               enumerate(ALGORITHMS)}  # fmt: skip
+    runs = {
+        r.key: [_toy_run(2.0 - 0.2 * i, r.key != "grpo_guard", s) for s in range(3)]
+        for i, r in enumerate(ROWS)
+    }
+    results = {
+        "steps": 40,
+        "seeds": [0, 1, 2],
+        "budget_s": 30.0,
+        "rows": {r.key: {"settings": r.settings} for r in ROWS},
+        "runs": runs,
+        "summary": summarize(runs, 30.0),
+    }
     doc = tmp_path / "algorithms.md"
     doc.write_text(
         "before\n<!-- toy comparison: start -->\nold\n<!-- toy comparison: end -->\nafter\n"
     )
-    write_report(results, doc)
+    algorithms.write_report(results, doc)
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
-    assert [r.split("`")[1] for r in rows] == list(ALGORITHMS)
-    assert "| 60 s | 1.00 | 4800 |" in rows[0] and "not reached" in rows[2]
+    assert [r.split("`")[1] for r in rows] == [r.key for r in ROWS]
+    assert "| 3/3 | 70 s | 1.00 | 5600 | +0.021 (+0.020–+0.022) |" in rows[0]
+    assert "| 0/3 | — | — |" in rows[2]
     assert (tmp_path / "algorithms_toy.png").stat().st_size > 1000
+
+
+def test_algorithms_time_is_step_times_the_quiet_step():
+    """finish() times every eval by its step x the row's quiet per-step time, keeps the runs'
+    measured CPU time, and names the best row against Flow-GRPO."""
+    from bench.algorithms import ROWS, finish
+
+    rows = (ROWS[0], ROWS[1])
+    runs = {r.key: [_toy_run(9.0, True, s) for s in range(2)] for r in rows}  # measured 9 s/step
+    out = finish(runs, {"flow_grpo": 2.0, "mix_grpo": 0.5}, rows, (0, 1), 40, 5)
+    curve = out["runs"]["mix_grpo"][0]["curve"]
+    assert [c["train_s"] for c in curve[:3]] == [0.0, 2.5, 5.0]
+    assert [c["cpu_s"] for c in curve[:3]] == [0.0, 45.0, 90.0]
+    assert out["summary"]["flow_grpo"]["time_to_target_s"]["median"] == 70.0  # step 35 x 2 s
+    assert out["budget_s"] == 20.0  # mix_grpo's step 40 x 0.5 s
+    assert out["best"]["row"] == "mix_grpo"
+    assert out["best"]["time_to_target_over_flow_grpo"] == 0.25

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from PIL import Image
 
+from flowgrpo import cli
 from flowgrpo.config import (
     Config,
     RewardSpec,
@@ -13,6 +15,8 @@ from flowgrpo.config import (
     list_presets,
     load_config,
 )
+from flowgrpo.config.validate import PATH_REWARDS
+from flowgrpo.rewards.base import needs_source_images
 
 
 def test_override_types() -> None:
@@ -86,14 +90,20 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
     assert set(list_presets()) >= {"toy-digits", "qwen-image-ocr", "sd3-ocr", "flux-pickscore"}
     prompts = tmp_path / "train.txt"
     prompts.write_text('a sign that says "hello"\n')
-    real = [f"model.path={tmp_path}", f"data.train_prompts={prompts}"]
+    Image.new("RGB", (8, 8)).save(tmp_path / "src.png")
+    edits = tmp_path / "edits.jsonl"  # an editing preset's rewards need source images
+    edits.write_text('{"prompt": "two clocks", "image": "src.png"}\n')
+
+    def real(name: str) -> list[str]:
+        rewards = load_config(name, check_paths=False).reward
+        data = edits if any(needs_source_images(r.name) for r in rewards) else prompts
+        paths = [f"reward.{r.label}.options.path={tmp_path}" for r in rewards]
+        return [f"model.path={tmp_path}", f"data.train_prompts={data}"] + [
+            p for p, r in zip(paths, rewards) if r.name in PATH_REWARDS
+        ]
+
     cfgs = {
-        name: load_config(
-            name,
-            real + ([f"reward.pickscore.options.path={tmp_path}"] if "pickscore" in name else [])
-            if name != "toy-digits"
-            else [],
-        )
+        name: load_config(name, real(name) if name != "toy-digits" else [])
         for name in list_presets()
     }
     toy = cfgs["toy-digits"]
@@ -128,6 +138,22 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
         0.9,
     )
     assert flux.reward[0].name == "pickscore" and flux.flow_grpo.kl_beta == 0.0
+    edit = cfgs["qwen-image-edit-counting"]  # flow_grpo's counting_qwenimage_edit
+    assert cli.main(["config", "show", "qwen-image-edit-counting"]) == 0
+    assert [(r.name, r.label, r.weight) for r in edit.reward] == [
+        ("image_similarity", "image_similarity", 0.2),
+        ("remote", "geneval", 0.8),
+    ]
+    assert (edit.sample.noise_level, edit.sample.window_size, edit.sample.group_size) == (
+        1.0,
+        0,
+        16,
+    )
+    assert (edit.sample.guidance_scale, edit.sample.negative_prompt, edit.ema.enabled) == (
+        4.0,
+        " ",
+        False,
+    )
     for cfg in cfgs.values():
         assert cfg.sample.eval_guidance_scale == cfg.sample.guidance_scale  # resolved from null
 

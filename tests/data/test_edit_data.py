@@ -113,3 +113,18 @@ def test_records_must_fit_the_model(tmp_path) -> None:
     assert "QwenImagePipeline, which generates from text" in text
     bad = config_error(tmp_path, "FluxPipeline", [{"prompt": "a", "image": "imgs/9.png"}])
     assert "config key 'data.eval_prompts'" in bad and "eval.jsonl:1: image" in bad
+
+
+@pytest.mark.parametrize(
+    "image, expected",
+    [("imgs/9.png", "imgs/9.png not found"), ("notes.txt", "notes.txt cannot be decoded")],
+)
+def test_an_edit_models_bad_image_is_a_config_error(tmp_path, image, expected) -> None:
+    """A missing or undecodable source image of an editing model's prompt file: one line
+    naming the key, the file and line and the image, from the config check (nothing loads)."""
+    write_images(tmp_path)
+    (tmp_path / "notes.txt").write_text("not an image")
+    rows = [{"prompt": "a", "image": "imgs/0.png"}, {"prompt": "b", "image": image}]
+    message = config_error(tmp_path, "QwenImageEditPipeline", rows)
+    assert message.startswith("config key 'data.eval_prompts': ")
+    assert f"{tmp_path / 'eval.jsonl'}:2: " in message and expected in message

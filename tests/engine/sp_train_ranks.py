@@ -21,6 +21,8 @@ KINDS = (
     "wan22",
     "flux2",
     "flux2_klein",
+    "qwen_image_edit",
+    "qwen_image_edit_plus",
     "z_image",
     "qwen_image21",
     "hunyuan_video15",
@@ -57,6 +59,30 @@ def padded_forward(adapter, model, kind: str) -> dict:
     return {"pad_v": v.cpu(), "pad_text": texts}
 
 
+#: editing kinds: (height, width, each prompt's source images as (height, width) pixels, the
+#: VAE view's pixel area, the source tokens). The pipelines resize a source to ~1024² pixels
+#: (multiples of 32, aspect kept); scaled down here to 64 x 192 to keep the test fast: a 1:3
+#: source becomes 64 x 192 pixels, 2 x 6 latents of the tiny VAE (factor 32), 1 x 3 tokens
+#: (2x2 packing). Qwen-Image-Edit: 1 x 3 noised + 3 source tokens; the 3 noised alone do not
+#: split over sp = 2, so SP runs only if the source tokens are counted and split with them.
+#: Edit-Plus: 2 x 3 noised + 3 + 3 source tokens (two sources, 3:1 and 1:3).
+EDITS = {
+    "qwen_image_edit": (64, 192, [(20, 60)], 64 * 192, 3),
+    "qwen_image_edit_plus": (128, 192, [(20, 60), (60, 20)], 64 * 192, 6),
+}
+
+
+def source_images(kind: str) -> list[list[torch.Tensor]] | None:
+    """One list of random [3, H, W] source images in [0, 1] per prompt (8-bit values)."""
+    if kind not in EDITS:
+        return None
+    g = torch.Generator().manual_seed(7)
+    return [
+        [torch.randint(0, 256, (3, h, w), generator=g).float() / 255 for h, w in EDITS[kind][2]]
+        for _ in PROMPTS
+    ]
+
+
 def run(kind: str, mode: str, sp: int) -> dict:
     from flowgrpo.config import config_from_dict
     from flowgrpo.engine import init_distributed
@@ -88,6 +114,9 @@ def run(kind: str, mode: str, sp: int) -> dict:
     }
     options = options.get(kind, {})
     adapter = build_adapter(pipe, **options)
+    images = source_images(kind)
+    if images is not None:
+        adapter.vae_area = EDITS[kind][3]
     engine, algo = build_engine(cfg, adapter, init_distributed())
     seen: list[int] = []  # tokens reaching proj_out on this rank (halved under SP: the
     # output is gathered after it)
@@ -97,7 +126,9 @@ def run(kind: str, mode: str, sp: int) -> dict:
             lambda module, args: seen.append(args[0].shape[1])
         )
     g = 3.5 if kind == "flux" else 4.0
-    kw = dict(num_steps=3, guidance_scale=g, height=32, width=32, decode=False)
+    height, width = EDITS[kind][:2] if kind in EDITS else (32, 32)
+    kw = dict(num_steps=3, guidance_scale=g, height=height, width=width, decode=False)
+    kw["images"] = images
 
     def gens():
         return [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]

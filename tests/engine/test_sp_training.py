@@ -2,8 +2,10 @@
 ranks, the rollout, the recomputed log-probs and one Flow-GRPO update (guidance through both
 branches, KL, LoRA and full) equal one process without SP, for Qwen-Image, FLUX, SD3, Wan2.1
 and Wan2.2 (video: diffusers' own Wan context-parallel plan, on each of Wan2.2's two experts),
-FLUX.2, and the families with their own plans: Z-Image, Qwen-Image 2.1, HunyuanVideo-1.5 (whose
-text, not divisible by sp, is padded: a forward with such text equals one process)."""
+FLUX.2, Qwen-Image-Edit(-Plus), whose source image tokens ride along the noised ones and are
+split with them (issue 26), and the families with their own plans: Z-Image, Qwen-Image 2.1,
+HunyuanVideo-1.5 (whose text, not divisible by sp, is padded: a forward with such text equals
+one process)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ def test_sp2_rollout_log_probs_and_update_equal_one_process(runs, kind, mode):
     single, sp2 = runs
     one, two = single[(kind, mode)], sp2[(kind, mode)]
     assert two["tokens"] * 2 == one["tokens"] and two["dp_size"] == 1  # SP really split it
+    if kind in st.EDITS:  # the transformer saw noised + source tokens, split over the ranks
+        height, width, *_, sources = st.EDITS[kind]
+        assert one["tokens"] == (height // 64) * (width // 64) + sources
     assert _rel(two["final"], one["final"]) <= 1e-5  # the rollout at noise 0
     assert two["log_ratio"] <= 1e-6 and one["log_ratio"] <= 1e-6  # recomputed under SP
     assert (two["log_probs"] - one["log_probs"]).abs().max() <= 1e-4

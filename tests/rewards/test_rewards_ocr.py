@@ -1,5 +1,6 @@
 """OCR reward: scoring rules (pure python) and PP-OCRv4 on PIL-rendered text (4 OCR calls)."""
 
+import json
 import sys
 
 import pytest
@@ -64,3 +65,27 @@ def test_ocr_reward_on_rendered_text():
     assert scores[2] >= 0.9
     assert scores[3] == 0.0
     assert rocr.get_ocr_engine() is rocr.get_ocr_engine()  # one engine per process
+
+
+def test_an_edit_records_metadata_reaches_the_ocr_target_as_a_text_records(tmp_path):
+    """Text edits ("change the sign to say X"): an edit record's prompt and fields give the
+    OCR reward the target a text-to-image record gives, its source images riding along."""
+    from flowgrpo.data.prompts import load_prompts
+    from flowgrpo.rewards import MultiReward
+
+    _render("CLOSED").save(tmp_path / "sign.png")  # the source: the sign before the edit
+    records = [
+        {"prompt": 'change the sign to say "OPEN"'},  # target quoted in the prompt
+        {"prompt": "change the sign's text", "ocr_text": "Late"},  # target as a field
+    ]
+    edit, t2i = tmp_path / "edit.jsonl", tmp_path / "t2i.jsonl"
+    edit.write_text("".join(json.dumps(r | {"image": "sign.png"}) + "\n" for r in records))
+    t2i.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (ep, em), (tp, tm) = load_prompts(edit).select([0, 1]), load_prompts(t2i).select([0, 1])
+    assert [m["source_images"][0].shape for m in em] == [(3, 96, 256)] * 2
+    assert "source_images" not in tm[0]
+    targets = [rocr.ocr_target(p, m) for p, m in zip(ep, em)]
+    assert targets == [rocr.ocr_target(p, m) for p, m in zip(tp, tm)] == ["OPEN", "Late"]
+    results = from_pil([_render("OPEN"), _render("Late")])  # the edited signs
+    multi = MultiReward("ocr")  # as the trainer scores: metadata copied, sources included
+    assert multi(results, ep, em)["ocr"].min() >= 0.9  # (the CLOSED source is not read)

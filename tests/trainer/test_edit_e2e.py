@@ -1,12 +1,14 @@
 """Editing end to end (issue 26): `flowgrpo train` on a saved tiny Qwen-Image-Edit directory
-with a .jsonl of prompts + a folder of source images runs 2 steps and checkpoints; `flowgrpo
-sample --image` writes one edit per prompt (base model); a text-only prompt file for the edit model is a
-one-line error before anything trains."""
+with a .jsonl of prompts + a folder of source images trains and checkpoints, resumes exactly,
+draws source | result grids; `flowgrpo export-lora` loads into the stock pipeline; `flowgrpo
+sample --image` writes one edit per prompt; a text-only prompt file or an undecodable image
+is a one-line error before anything trains."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,61 +62,152 @@ def _flowgrpo(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
-def test_train_two_steps_then_sample_with_an_image(tmp_path) -> None:
+def _tiny_clip(path: Path) -> Path:
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+
+    text = {"vocab_size": 40, "hidden_size": 32, "intermediate_size": 37}
+    vision = {"hidden_size": 32, "intermediate_size": 37, "image_size": 32, "patch_size": 8}
+    for cfg in (text, vision):
+        cfg.update(num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ).save_pretrained(path)
+    return path
+
+
+def _pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def _weights(ckpt: Path) -> dict:
+    """The model tensors of a DCP checkpoint directory (via a torch.save conversion)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dst = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(dst))
+    return torch.load(dst, weights_only=False)["model"]
+
+
+def _metrics(run: Path) -> list[dict]:
+    from flowgrpo.trainer.logging import deterministic_view, read_jsonl
+
+    return [deterministic_view(r) for r in read_jsonl(run / "metrics.jsonl")]
+
+
+def test_edit_run_journey(tmp_path) -> None:
+    """Train 3 steps; resume a copy from step 2 to the same step 3; the grids show source |
+    result; export-lora loads into the stock pipeline; sample --image."""
+    import torch
+    from diffusers import QwenImageEditPipeline
+
+    from flowgrpo.models.qwen_image_edit import QwenImageEditAdapter
     from flowgrpo.models.tiny import tiny_pipeline
 
     tiny_pipeline("qwen_image_edit").save_pretrained(tmp_path / "model")
     (tmp_path / "data" / "images").mkdir(parents=True)
+    sources = []  # the size of the results (64 x 128): the grids show them unscaled
     for i in range(2):
-        a = np.random.default_rng(i).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+        a = np.random.default_rng(i).integers(0, 256, (64, 128, 3), dtype=np.uint8)
         Image.fromarray(a).save(tmp_path / "data" / "images" / f"{i}.png")
+        sources.append(a)
     prompts = tmp_path / "data" / "edit.jsonl"
     rows = [
         {"prompt": "make the cat red", "image": "images/0.png", "include": [["cat", 1]]},
         {"prompt": "two dogs", "image": "images/1.png"},
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    preset = tmp_path / "edit.yaml"  # a user's own YAML (no shipped edit preset yet)
+    preset = tmp_path / "edit.yaml"  # a user's own YAML (the settings: SMALL)
     preset.write_text("seed: 0\n")
     common = [f"model.path={tmp_path / 'model'}", *SMALL]
 
+    # a text-only prompt file for the edit model: one line, before anything is trained (the
+    # other bad inputs: tests/data/test_edit_data.py, at config time)
     text_only = tmp_path / "text.txt"
     text_only.write_text("a red cat\n")
-    bad = _flowgrpo("train", str(preset), *common, f"data.train_prompts={text_only}", ok=False)
-    assert bad.returncode != 0 and "which edits images" in bad.stderr
+    bad = _flowgrpo(
+        "train", str(preset), *common, f"data.train_prompts={text_only}",
+        f"run.output_dir={tmp_path / 'bad'}", ok=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "which edits images" in bad.stderr, bad.stderr[-2000:]
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-2000:]
     assert not (tmp_path / "bad").exists()
 
     run = tmp_path / "run"
-    _flowgrpo(
-        "train",
-        str(preset),
-        *common,
-        f"data.train_prompts={prompts}",
-        "trainer.max_steps=2",
-        "trainer.save_every=2",
-        "trainer.eval_every=0",
-        f"run.output_dir={run}",
-    )
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines if "step" in m][-1] == 2
-    assert (run / "checkpoints" / "step_2").is_dir()
+    clip = _tiny_clip(tmp_path / "clip")  # the similarity-to-source reward beside the task's
+    train = [
+        "train", str(preset), *common, f"data.train_prompts={prompts}", "trainer.eval_every=0",
+        "sample.prompts_per_step=1",  # 2 samples a step: each encodes its source at ~1024²
+        "reward=jpeg_compressibility:1.0,image_similarity:0.2",
+        f"reward.image_similarity.options.path={clip}",
+    ]  # fmt: skip
+    _flowgrpo(*train, "trainer.max_steps=3", "trainer.save_every=1", f"run.output_dir={run}")
+    lines = _metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    sims = [m["reward/image_similarity_mean"] for m in lines]
+    assert all(-1.0 <= x <= 1.0 for x in sims)
 
-    # from the base model: loading this run's checkpoint fails on the optimizer state of the
-    # LoRA weights that got no gradient (the last block's text-stream outputs), reported
+    # resume: a copy of the run as it was after step 2 continues to the same step 3
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_3")
+    _flowgrpo(*train, "trainer.max_steps=3", "trainer.resume=auto", f"run.output_dir={resumed}")
+    assert _metrics(resumed) == _metrics(run)
+    w2, wa = _weights(run / "checkpoints" / "step_2"), _weights(run / "checkpoints" / "step_3")
+    wb = _weights(resumed / "checkpoints" / "step_3")
+    assert wa.keys() == wb.keys() and len(wa) > 10
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(w2[k], wa[k]) for k in wa)  # step 3 moved them: it can fail
+
+    # the eval grids: one eval image, source | result in a 2 x 128 px wide cell
+    for name in ("grid_before.png", "grid_after.png"):
+        grid = _pixels(run / name)
+        band = (grid.shape[0] - 128 - 4) // 2  # the prompt band and the reward band
+        assert grid.shape[1] == 2 * 128 + 4 and band > 0, grid.shape
+        source = grid[2 + band + 32 : 2 + band + 96, 2:130]  # 64 x 128, centred vertically
+        assert any(np.array_equal(source, a) for a in sources), name
+        assert not np.array_equal(grid[2 + band + 32 : 2 + band + 96, 130:258], source)
+
+    # export-lora: the file loads into the stock pipeline and changes its transformer's output
+    lora = tmp_path / "lora" / "edit-lora.safetensors"
+    _flowgrpo("export-lora", "--checkpoint", str(run), "--out", str(lora))
+    model = tmp_path / "model"  # the processor built without its video part (no torchvision)
+    parts = QwenImageEditAdapter.load_components(model)
+    pipe = QwenImageEditPipeline.from_pretrained(model, local_files_only=True, **parts)
+    g = torch.Generator().manual_seed(0)
+    x, e = torch.randn(1, 2 + 4, 16, generator=g), torch.randn(1, 7, 32, generator=g)
+    call = dict(img_shapes=[[(1, 1, 2), (1, 2, 2)]], return_dict=False)  # noised + source
+
+    def velocity() -> torch.Tensor:
+        with torch.no_grad():
+            return pipe.transformer(x, e, timestep=torch.tensor([0.5]), **call)[0]
+
+    base = velocity()
+    pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+    assert (velocity() - base).abs().max() > 1e-4
+
+    # sample --image from the trained checkpoint: one PNG a prompt and grid.png, source | result
     out = tmp_path / "samples"
     _flowgrpo(
-        "sample",
-        str(preset),
-        *common,
-        "--prompts",
-        "make it blue",
-        "a dog",
-        "--image",
-        str(tmp_path / "data" / "images" / "0.png"),
-        "--out",
-        str(out),
-    )
-    pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 2
+        "sample", "--checkpoint", str(run), "--prompts", "make it blue", "a dog",
+        "--image", str(tmp_path / "data" / "images" / "0.png"), "--out", str(out),
+    )  # fmt: skip
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "grid.png",
+        "sample_0000.png",
+        "sample_0001.png",
+    ]
+    results = [_pixels(out / f"sample_000{i}.png") for i in range(2)]
+    assert results[0].shape == (128, 128, 3)  # save_images centres on a square (black bands)
     made = [json.loads(x)["prompt"] for x in (out / "prompts.jsonl").read_text().splitlines()]
     assert made == ["make it blue", "a dog"]
+    grid = _pixels(out / "grid.png")
+    band = (grid.shape[0] - 2 * (128 + 2) - 2) // 2  # 2 rows (prompts), a prompt band each
+    assert grid.shape[1] == 2 * 128 + 4 and band > 0, grid.shape
+    for row in range(2):  # each prompt's source | its result, unscaled (64 x 128 each)
+        top = 2 + row * (band + 128 + 2) + band + 32
+        assert np.array_equal(grid[top : top + 64, 2:130], sources[0])
+        assert np.array_equal(grid[top : top + 64, 130:258], results[row][32:96])

@@ -161,7 +161,10 @@ def transformer_shape(model: Any, lora_targets: list[str] | str, rank: int) -> T
                     img += width
         blocks.append((kind, _numel(block), img, txt))
     cfg = model.config
-    hidden = int(cfg.get("num_attention_heads", 1)) * int(cfg.get("attention_head_dim", 1))
+    if "num_attention_heads" in cfg and "attention_head_dim" in cfg:
+        hidden = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    else:  # transformers configured by model width (``dim``) rather than heads x head width
+        hidden = int(cfg.get("dim", cfg.get("hidden_size", 1)))
     buffers = sum(b.numel() for b in model.buffers())
     return TransformerShape(_numel(model), buffers, lora, blocks, hidden)
 

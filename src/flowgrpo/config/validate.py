@@ -35,7 +35,7 @@ def holds_run(folder: str | Path) -> bool:
     return has_ckpt or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
-PATH_REWARDS = ("pickscore", "clip_score")  # CLIP-family rewards that need options.path
+PATH_REWARDS = ("pickscore", "clip_score", "image_similarity")  # CLIP rewards: options.path
 
 
 def _check_prompt_file(key: str, path: str) -> None:
@@ -127,9 +127,10 @@ def _edits(model_path: str) -> tuple[str, bool] | None:
     return name, bool(getattr(import_adapter(SUPPORTED_PIPELINES[name]), "edits", False))
 
 
-def _check_source_images(cfg: Config, key: str, path: str) -> None:
+def _check_source_images(cfg: Config, key: str, path: str) -> bool:
     """Every source image of the prompt file decodes, and the records fit the model: source
-    images for an editing model, none for a text-to-image one (first culprit's file:line)."""
+    images for an editing model, none for a text-to-image one (first culprit's file:line).
+    Returns whether the file's records have source images."""
     from flowgrpo.data.prompts import load_prompts
 
     try:
@@ -137,10 +138,10 @@ def _check_source_images(cfg: Config, key: str, path: str) -> None:
     except ValueError as e:
         raise ConfigError(f"config key {key!r}: {e}") from None
     if not ds.has_images and not cfg.model.path:
-        return
+        return False
     known = _edits(cfg.model.path) if cfg.model.path else None
     if known is None:
-        return
+        return ds.has_images
     name, edits = known
     for where, images in zip(ds.locations, ds.images, strict=True):
         if edits and not images:
@@ -154,6 +155,26 @@ def _check_source_images(cfg: Config, key: str, path: str) -> None:
                 f"holds a {name}, which generates from text: use an editing model or drop "
                 "the images"
             )
+    return ds.has_images
+
+
+def _check_source_rewards(cfg: Config, key: str) -> None:
+    """No reward that compares results with their source images (``image_similarity``) on
+    prompts without any (a text-to-image run): one line naming the reward."""
+    from flowgrpo.rewards.base import needs_source_images
+
+    for field, specs in (("reward", cfg.reward), ("eval_reward", cfg.eval_reward)):
+        for r in specs:
+            try:
+                needs = needs_source_images(r.name)
+            except Exception:  # noqa: BLE001 - a reward that does not resolve fails at build
+                continue
+            if needs:
+                raise ConfigError(
+                    f"config key {field!r}: reward {r.label!r} compares each result with its "
+                    f"source image(s), but the prompts of {key} have none (a text-to-image "
+                    "run): it needs an editing model and .jsonl records with 'image'/'images'"
+                )
 
 
 def _check_model_size(cfg: Config) -> None:
@@ -195,9 +216,14 @@ def _check_paths(cfg: Config, command: str) -> None:
         for key in ("train_prompts", "eval_prompts"):
             path = getattr(d, key)
             skip = command == "eval" and key == "train_prompts" and d.eval_prompts
-            if path and not path.startswith(BUILTIN) and not skip:
+            if not path or skip:
+                continue
+            has_images = False
+            if not path.startswith(BUILTIN):
                 _check_prompt_file(f"data.{key}", path)
-                _check_source_images(cfg, f"data.{key}", path)
+                has_images = _check_source_images(cfg, f"data.{key}", path)
+            if not has_images:
+                _check_source_rewards(cfg, f"data.{key}")
         for r in cfg.reward:
             if r.name in PATH_REWARDS and not r.options.get("path"):
                 raise ConfigError(

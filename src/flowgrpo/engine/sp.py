@@ -180,7 +180,8 @@ class _SPForwardCheck:
         if n_img % self.sp:
             raise ValueError(
                 f"{n_img} image tokens do not split over sp_degree={self.sp}: choose a height "
-                f"and width whose token count (latent h/2 x w/2) is a multiple of {self.sp}"
+                f"and width whose token count ({self.spec.image_token_rule}) is a multiple of "
+                f"{self.sp}"
             )
         if self.verify_inputs:
             self._verify(hs, ehs, kwargs.get(self.spec.timestep_kwarg))

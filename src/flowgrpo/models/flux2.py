@@ -23,6 +23,7 @@ Mirrors ``Flux2Pipeline.__call__`` / ``Flux2KleinPipeline.__call__`` of diffuser
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from flowgrpo.models.base import (
     PromptEmbeds,
     Schedule,
     SizeRule,
+    TokenCounts,
     check_size,
     param_dtype,
     vae_scale,
@@ -125,6 +127,17 @@ class Flux2Adapter(DiffusionAdapter):
     def prompt_tokens(cls, max_sequence_length: int | None) -> tuple[int, int]:
         """512 tokens by default, ``text_width`` wide."""
         return max_sequence_length or 512, cls.text_width
+
+    @classmethod
+    def token_counts(
+        cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
+    ) -> TokenCounts:
+        """The base rule (2x2-patchified latents, joint text), the prompt's width read off the
+        transformer's ``joint_attention_dim`` (3 stacked text-encoder layers: dev 15360, klein
+        4B 7680, klein 9B 12288) instead of ``text_width``."""
+        counts = super().token_counts(configs, height, width, options)
+        text_width = int(configs.get("transformer", {}).get("joint_attention_dim", cls.text_width))
+        return dataclasses.replace(counts, prompt=(counts.prompt[0], text_width))
 
     # -- sizes, schedule, latents ---------------------------------------------------------------
     @classmethod

@@ -148,6 +148,7 @@ class HunyuanVideo15SequenceParallel(SequenceParallelSpec):
     name = "hunyuan_video15"
     transformer_class = "HunyuanVideo15Transformer3DModel"
     text_mask_kwarg = "encoder_attention_mask"
+    image_token_rule = "latent frames x h x w"
 
     def cp_plan(self, transformer: nn.Module) -> dict[str, Any]:
         from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput

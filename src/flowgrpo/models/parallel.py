@@ -61,6 +61,8 @@ class SequenceParallelSpec:
     image_kwarg: str = "hidden_states"
     text_kwarg: str = "encoder_hidden_states"
     timestep_kwarg: str = "timestep"
+    #: what ``image_tokens`` counts, for the error when they do not split over sp
+    image_token_rule: str = "latent h/2 x w/2"
 
     def cp_plan(self, transformer: nn.Module) -> dict[str, Any] | None:
         """The context-parallel plan for ``enable_parallelism``: diffusers' ``_cp_plan``."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule, param_dtype
 from flowgrpo.models.parallel import SequenceParallelSpec
@@ -34,6 +35,14 @@ class QwenImageSequenceParallel(SequenceParallelSpec):
     name = "qwen_image"
     transformer_class = "QwenImageTransformer2DModel"
     text_mask_kwarg = "encoder_hidden_states_mask"
+    image_token_rule = "latent h/2 x w/2, plus the source images' tokens of an edit model"
+
+    def image_tokens(self, transformer: nn.Module, hidden_states: torch.Tensor) -> int:
+        """Every image token of the call: the noised ones and, for Qwen-Image-Edit(-Plus),
+        the source images' tokens that ride along them (``QwenImageEditAdapter.forward``
+        concatenates them along the sequence; ``img_shapes`` lists both). diffusers' plan
+        splits them all together (hidden states and their RoPE), so the sum must divide."""
+        return hidden_states.shape[1]
 
 
 class QwenImageAdapter(DiffusionAdapter):

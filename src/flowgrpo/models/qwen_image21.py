@@ -35,7 +35,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule, SizeRule, param_dtype
+from flowgrpo.models.base import (
+    DiffusionAdapter,
+    PromptEmbeds,
+    Schedule,
+    SizeRule,
+    TokenCounts,
+    param_dtype,
+)
 from flowgrpo.models.parallel import SequenceParallelSpec, pad_tokens
 from flowgrpo.models.qwen_image import QwenImageAdapter
 
@@ -143,6 +150,7 @@ class QwenImage21SequenceParallel(SequenceParallelSpec):
 
     name = "qwen_image21"
     transformer_class = "QwenImage21Transformer2DModel"
+    image_token_rule = "latent h x w, unpatched"
 
     def cp_plan(self, transformer: nn.Module) -> dict[str, Any]:
         from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
@@ -216,6 +224,21 @@ class QwenImage21Adapter(QwenImageAdapter):
     def prompt_tokens(cls, max_sequence_length: int | None) -> tuple[int, int]:
         """Qwen3-VL hidden states: ~512 tokens planned (no truncation), 4096 wide."""
         return max_sequence_length or 512, 4096
+
+    @classmethod
+    def token_counts(
+        cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
+    ) -> TokenCounts:
+        """A single-stream transformer on the joint sequence text + h w latent tokens (the
+        text's image slots expand into the latents): every block's Linears see all of them, so
+        the planner counts them as one sequence (``image``; ``text`` 0). Latents unpatched,
+        h = H / 16, ``z_dim`` channels."""
+        vae = configs.get("vae", {})
+        f = int(vae.get("scale_factor_spatial", 16))
+        channels = int(vae.get("z_dim", 64))
+        prompt = cls.prompt_tokens(options.get("max_sequence_length"))
+        tokens = (height // f) * (width // f)
+        return TokenCounts(tokens + prompt[0], 0, channels * tokens, prompt)
 
     @classmethod
     def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:

@@ -48,6 +48,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "z-image-turbo-pickscore": ("ZImagePipeline",),
     "qwen-image-21-pickscore": ("QwenImage21Pipeline",),
     "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
+    "qwen-image-edit-counting": ("QwenImageEditPipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
@@ -60,6 +61,12 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
     ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
     ("flux2-pickscore", "flux.2-dev", []),
+    ("flux2-klein-pickscore", "flux.2-klein-4b", []),
+    ("flux2-klein-pickscore", "flux.2-klein-9b", []),
+    ("z-image-pickscore", "z-image", []),
+    ("z-image-turbo-pickscore", "z-image", []),
+    ("qwen-image-21-pickscore", "qwen-image-2.1", []),
+    ("hunyuan-video15-pickscore", "hunyuan-video-1.5-480p-t2v", []),
 ]
 
 

@@ -36,8 +36,10 @@ from flowgrpo.models.base import (
     PromptEmbeds,
     Schedule,
     SizeRule,
+    TokenCounts,
     check_size,
     param_dtype,
+    planner_vae,
     vae_scale,
 )
 from flowgrpo.models.parallel import SequenceParallelSpec
@@ -98,6 +100,7 @@ class ZImageSequenceParallel(SequenceParallelSpec):
     image_kwarg = "x"
     text_kwarg = "cap_feats"
     timestep_kwarg = "t"
+    image_token_rule = "latent h/2 x w/2, padded to a multiple of 32"
 
     def cp_plan(self, transformer: nn.Module) -> dict[str, Any]:
         from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
@@ -189,6 +192,20 @@ class ZImageAdapter(DiffusionAdapter):
     def prompt_tokens(cls, max_sequence_length: int | None) -> tuple[int, int]:
         """Qwen3-4B hidden states: at most 512 tokens by default, 2560 wide."""
         return max_sequence_length or 512, 2560
+
+    @classmethod
+    def token_counts(
+        cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
+    ) -> TokenCounts:
+        """A single-stream transformer: its ``layers`` run every Linear on the caption and the
+        image tokens alike, so the planner counts them as one sequence (``image`` = 2x2 image
+        patches + caption tokens, at most ``max_sequence_length``; ``text`` 0). The refiners
+        (2 blocks on each side) are not counted."""
+        f, channels = planner_vae(configs.get("vae", {}))
+        prompt = cls.prompt_tokens(options.get("max_sequence_length"))
+        patches = (height // (2 * f)) * (width // (2 * f))
+        latent = channels * (height // f) * (width // f)
+        return TokenCounts(patches + prompt[0], 0, latent, prompt)
 
     @classmethod
     def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:

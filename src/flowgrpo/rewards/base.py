@@ -36,6 +36,7 @@ _REGISTRY: dict[str, Any] = {
     "pickscore": "flowgrpo.rewards.clip:PickScore",
     "remote": "flowgrpo.rewards.remote:RemoteReward",
     "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
+    "image_similarity": "flowgrpo.rewards.similarity:ImageSimilarity",
 }
 
 
@@ -265,6 +266,12 @@ def takes_option(name_or_import_path: str, option: str) -> bool:
     except (TypeError, ValueError):
         return False
     return option in params
+
+
+def needs_source_images(name_or_import_path: str) -> bool:
+    """Whether the reward compares results with their source images (its object says so
+    with ``needs_source_images = True``): an editing run's reward only."""
+    return bool(getattr(_resolve(name_or_import_path), "needs_source_images", False))
 
 
 def _with_device(name: str, options: Mapping[str, Any], device: Any) -> dict[str, Any]:

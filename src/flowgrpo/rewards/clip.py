@@ -30,6 +30,38 @@ def _side(value: Any, keys: tuple[str, ...]) -> int | None:
     return None
 
 
+def image_transform(proc_dir: Path, image_size: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(resize, crop, mean, std) of the image processor in ``proc_dir``
+    (preprocessor_config.json; CLIP's defaults at ``image_size`` without one)."""
+    cfg_file = Path(proc_dir) / "preprocessor_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    resize = _side(cfg.get("size"), ("shortest_edge", "height")) or image_size
+    crop = _side(cfg.get("crop_size"), ("height",)) or image_size
+    crop = crop if cfg.get("do_center_crop", True) else resize
+    mean = torch.tensor(cfg.get("image_mean", CLIP_MEAN)).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.get("image_std", CLIP_STD)).view(1, 3, 1, 1)
+    return resize, crop, mean, std
+
+
+def preprocess_images(
+    images: torch.Tensor, resize: int, crop: int, mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """[B, C, H, W] in [0, 1] -> pixel_values [B, 3, crop, crop]: shortest side to ``resize``
+    (bicubic, antialiased), centre crop, (x - mean) / std. In torch: no torchvision."""
+    x = images.float()
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
+    h, w = x.shape[-2:]
+    scale = resize / min(h, w)
+    size = (max(crop, round(h * scale)), max(crop, round(w * scale)))
+    if size != (h, w):
+        x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
+        x = x.clamp(0, 1)
+    top, left = (size[0] - crop) // 2, (size[1] - crop) // 2
+    x = x[..., top : top + crop, left : left + crop]
+    return (x - mean) / std
+
+
 class _ClipReward:
     """Shared loader/scorer; subclasses set ``reward_name`` and ``divisor``."""
 
@@ -67,14 +99,8 @@ class _ClipReward:
         self.model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype])
         self.model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(proc_dir, local_files_only=True)
-        cfg_file = proc_dir / "preprocessor_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         image_size = int(self.model.config.vision_config.image_size)
-        self.resize = _side(cfg.get("size"), ("shortest_edge", "height")) or image_size
-        crop = _side(cfg.get("crop_size"), ("height",)) or image_size
-        self.crop = crop if cfg.get("do_center_crop", True) else self.resize
-        self.mean = torch.tensor(cfg.get("image_mean", CLIP_MEAN)).view(1, 3, 1, 1)
-        self.std = torch.tensor(cfg.get("image_std", CLIP_STD)).view(1, 3, 1, 1)
+        self.resize, self.crop, self.mean, self.std = image_transform(proc_dir, image_size)
         text_cfg = self.model.config.text_config
         self.max_length = min(
             int(self.tokenizer.model_max_length), text_cfg.max_position_embeddings
@@ -82,18 +108,7 @@ class _ClipReward:
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> CLIP pixel_values [B, 3, crop, crop] (normalised)."""
-        x = images.float()
-        if x.shape[1] == 1:
-            x = x.expand(-1, 3, -1, -1)
-        h, w = x.shape[-2:]
-        scale = self.resize / min(h, w)
-        size = (max(self.crop, round(h * scale)), max(self.crop, round(w * scale)))
-        if size != (h, w):
-            x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
-            x = x.clamp(0, 1)
-        top, left = (size[0] - self.crop) // 2, (size[1] - self.crop) // 2
-        x = x[..., top : top + self.crop, left : left + self.crop]
-        return (x - self.mean) / self.std
+        return preprocess_images(images, self.resize, self.crop, self.mean, self.std)
 
     @torch.no_grad()
     def __call__(

@@ -2,7 +2,10 @@
 
 Protocol: ``POST <url>`` with JSON ``{"images": [base64 PNG, ...], "prompts": [...],
 "metadata": [...]}`` (optional header ``Authorization: Bearer <token>``); videos
-[B, C, F, H, W] travel as their B·F frames in order (video by video) plus ``"frames": F``; the answer is
+[B, C, F, H, W] travel as their B·F frames in order (video by video) plus ``"frames": F``;
+editing samples' ``metadata["source_images"]`` travel as PNGs too, each distinct image once:
+``"source_images": [base64 PNG, ...]`` and ``"source_index": [[j, ...] per sample]`` (the
+server puts the decoded [C, H, W] tensors back in each sample's metadata); the answer is
 ``{"scores": [B floats]}`` or ``{"scores": {key: [B floats]}}``, or on error ``{"error": msg}``
 with a 4xx/5xx status. ``GET <base>/health`` answers ``{"status": "ok", "reward": name}``.
 The server (server.py) refuses images over its pixel caps with 413, read from the PNG headers.
@@ -11,6 +14,7 @@ The server (server.py) refuses images over its pixel caps with 413, read from th
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from flowgrpo.rewards._image import from_pil, to_pil
+from flowgrpo.rewards._image import from_pil, to_pil, to_uint8
 from flowgrpo.rewards.base import RewardUnavailable
 
 TOKEN_ENV = "FLOWGRPO_REWARD_TOKEN"
@@ -65,6 +69,33 @@ def decode_images(data: list[str]) -> torch.Tensor:
             raise ValueError(f"image {i} is not a base64 PNG: {e}") from e
         pils.append(img)
     return from_pil(pils)
+
+
+def encode_sources(
+    metadata: list[dict],
+) -> tuple[list[dict], list[str], list[list[int]]] | None:
+    """Editing samples' ``source_images`` ([C, H, W] in [0, 1]) -> (the metadata without
+    them, each distinct image as one base64 PNG, each sample's indices into that list); None
+    when no sample has any. A group's K samples share their sources: each is sent once."""
+    if not any(m.get("source_images") for m in metadata):
+        return None
+    pngs: list[str] = []
+    seen: dict[bytes, int] = {}
+    index: list[list[int]] = []
+    rest = []
+    for m in metadata:
+        row = []
+        for src in m.get("source_images") or []:
+            img = torch.as_tensor(src).unsqueeze(0)
+            key = hashlib.blake2b(to_uint8(img).tobytes(), digest_size=16)
+            key.update(repr(tuple(img.shape)).encode())
+            j = seen.setdefault(key.digest(), len(pngs))
+            if j == len(pngs):
+                pngs += encode_images(img)
+            row.append(j)
+        index.append(row)
+        rest.append({k: v for k, v in m.items() if k != "source_images"})
+    return rest, pngs, index
 
 
 def _jsonable(meta: Any) -> Any:
@@ -129,11 +160,17 @@ class RemoteReward:
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
     ) -> list[float] | dict[str, list[float]]:
         frames, num_frames = flatten_videos(images)
+        metadata = list(metadata)
+        sources = encode_sources(metadata)
+        if sources is not None:
+            metadata = sources[0]
         payload = {
             "images": encode_images(frames),
             "prompts": list(prompts),
-            "metadata": _jsonable(list(metadata)),
+            "metadata": _jsonable(metadata),
         }
+        if sources is not None:
+            payload["source_images"], payload["source_index"] = sources[1], sources[2]
         if num_frames is not None:
             payload["frames"] = num_frames
         body = json.dumps(payload).encode("utf-8")

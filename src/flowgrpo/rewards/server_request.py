@@ -153,13 +153,61 @@ def read_images(data: Any, max_pixels: int, max_request_pixels: int) -> torch.Te
     return from_pil([_decode_png(i, raw) for i, (raw, _, _) in enumerate(headers)])
 
 
-class Request:
-    """A checked request whose images are not decoded yet: ``pixels`` in all; ``decode()``
-    -> (images [B, C, H, W] or videos [B, C, F, H, W], prompts, metadata)."""
+def _check_sources(req: dict, n: int, max_pixels: int) -> tuple[list, list, int]:
+    """The editing samples' source images (``source_images``: distinct base64 PNGs,
+    ``source_index``: each sample's indices into them) -> ([(bytes, width, height)], the
+    indices, their pixels), checked from the PNG headers alone; none sent: ([], [], 0)."""
+    data, index = req.get("source_images"), req.get("source_index")
+    if data is None and index is None:
+        return [], [], 0
+    if not isinstance(data, list) or not isinstance(index, list) or len(index) != n:
+        raise RequestError(
+            400,
+            "'source_images' must be a list of base64 PNG strings and 'source_index' a list "
+            f"of {n} lists (one per sample) of indices into it",
+        )
+    headers = []
+    for j, d in enumerate(data):
+        try:
+            headers.append(_png_header(j, d))
+        except RequestError as e:
+            raise RequestError(e.code, f"source {e}") from None
+    for row in index:
+        if not isinstance(row, list) or not all(
+            isinstance(j, int) and not isinstance(j, bool) and 0 <= j < len(headers) for j in row
+        ):
+            raise RequestError(
+                400, f"'source_index' rows must list indices in [0, {len(headers)}), got {row!r}"
+            )
+    total = 0
+    for j, (_, w, h) in enumerate(headers):
+        if w * h > max_pixels:
+            raise RequestError(
+                413,
+                f"source image {j} is {w}x{h} = {w * h} pixels, over the cap of {max_pixels} "
+                "per image (--max-pixels)",
+            )
+        total += w * h
+    return headers, index, total
 
-    def __init__(self, headers: list, pixels: int, prompts: list, metadata: list, frames) -> None:
+
+class Request:
+    """A checked request whose images are not decoded yet: ``pixels`` in all (source images
+    included); ``decode()`` -> (images [B, C, H, W] or videos [B, C, F, H, W], prompts,
+    metadata), each editing sample's ``metadata["source_images"]`` a list of [C, H, W]."""
+
+    def __init__(
+        self,
+        headers: list,
+        pixels: int,
+        prompts: list,
+        metadata: list,
+        frames,
+        sources: tuple[list, list] = ([], []),
+    ) -> None:
         self.headers, self.pixels = headers, pixels
         self.prompts, self.metadata, self.frames = prompts, metadata, frames
+        self.sources, self.source_index = sources
 
     def decode(self) -> tuple:
         headers, frames, prompts = self.headers, self.frames, self.prompts
@@ -167,6 +215,17 @@ class Request:
         self.headers = []  # the PNG bytes are not needed any more
         if frames is not None:
             images = unflatten_videos(images, frames)
+        if self.sources:
+            decoded = []
+            for j, (raw, _, _) in enumerate(self.sources):
+                try:
+                    decoded.append(from_pil([_decode_png(j, raw)])[0])
+                except RequestError as e:
+                    raise RequestError(e.code, f"source {e}") from None
+            self.sources = []
+            for m, row in zip(self.metadata, self.source_index, strict=True):
+                if row:
+                    m["source_images"] = [decoded[j] for j in row]
         validate_images(images, prompts, self.metadata)
         return images, prompts, self.metadata
 
@@ -214,7 +273,15 @@ def check_request(
             f"{len(headers)} frames do not make {len(prompts)} videos of {frames} frames "
             "(send each video's frames in order, one prompt per video)",
         )
-    return Request(headers, pixels, prompts, metadata, frames)
+    sources, index, source_pixels = _check_sources(req, len(metadata), max_pixels)
+    if pixels + source_pixels > max_request_pixels:
+        raise RequestError(
+            413,
+            f"{len(headers)} images and {len(sources)} source images of "
+            f"{pixels + source_pixels} pixels in all, over the cap of {max_request_pixels} per "
+            "request (--max-request-pixels); send smaller batches",
+        )
+    return Request(headers, pixels + source_pixels, prompts, metadata, frames, (sources, index))
 
 
 __all__ = [

@@ -28,6 +28,7 @@ def make_grid(
     min_cell: int = 64,
     captions: Sequence[str] | None = None,
     notes: Sequence[str] | None = None,
+    sources: torch.Tensor | None = None,
 ) -> np.ndarray:
     """images [N, C, H, W] in [0, 1] -> uint8 [rows*S, cols*S, 3] with square cells.
 
@@ -37,6 +38,10 @@ def make_grid(
     in a band above each row: once across the row when the row's images share it (a prompt's
     seeds), else above each cell; ``notes`` (one per image, e.g. its reward) in a band below
     each cell. Text too wide for its space is shortened with "...".
+
+    ``sources`` [N, C, H, W] (an edit run's source images, fitted to the results' size with
+    ``fit_image``): each cell shows source | result side by side, S x 2S, the source on the left
+    (squared and upscaled like its result).
     """
     if images.dim() != 4:
         raise ValueError(f"make_grid needs images [N, C, H, W], got {tuple(images.shape)}")
@@ -47,16 +52,19 @@ def make_grid(
     for name, texts in (("captions", captions), ("notes", notes)):
         if texts is not None and len(texts) != n:
             raise ValueError(f"make_grid: {len(texts)} {name} for {n} images")
+    if sources is not None and (sources.shape[0], *sources.shape[2:]) != (n, h, w):
+        raise ValueError(
+            f"make_grid: sources {tuple(sources.shape)} for images {tuple(images.shape)} "
+            "(fit them to the images' size first: fit_image)"
+        )
     side = max(h, w)
-    if h != w:  # centre on a square canvas
-        canvas = torch.zeros(n, 3, side, side)
-        top, left = (side - h) // 2, (side - w) // 2
-        canvas[:, :, top : top + h, left : left + w] = x
-        x = canvas
     scale = max(1, math.ceil(min_cell / side))
-    if scale > 1:
-        x = x.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)
     cell = side * scale
+    x = _square_cells(x, scale)
+    if sources is not None:  # source | result: one cell two squares wide
+        s = _square_cells(sources.detach().float().cpu().clamp(0, 1).expand(-1, 3, -1, -1), scale)
+        x = torch.cat([s, x], dim=3)
+    cell_w = x.shape[-1]
     cols = nrow or max(1, math.ceil(math.sqrt(n)))
     rows = max(1, math.ceil(n / cols))
     pad = 2
@@ -64,11 +72,11 @@ def make_grid(
     cap_h = _text_height(font) if captions is not None else 0
     note_h = _text_height(font) if notes is not None else 0
     row_h = cap_h + cell + note_h + pad
-    grid = torch.full((3, rows * row_h + pad, cols * (cell + pad) + pad), 0.5)
+    grid = torch.full((3, rows * row_h + pad, cols * (cell_w + pad) + pad), 0.5)
     for i in range(n):
         r, c = divmod(i, cols)
-        top, left = pad + r * row_h + cap_h, pad + c * (cell + pad)
-        grid[:, top : top + cell, left : left + cell] = x[i]
+        top, left = pad + r * row_h + cap_h, pad + c * (cell_w + pad)
+        grid[:, top : top + cell, left : left + cell_w] = x[i]
     out = (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     if font is None:
         return out
@@ -85,13 +93,58 @@ def make_grid(
             else:
                 spans = [(i, 1) for i in members]
             for i, k in spans:
-                left = pad + (i % cols) * (cell + pad)
-                _draw_text(draw, (left, top), k * (cell + pad) - pad, captions[i], font)
+                left = pad + (i % cols) * (cell_w + pad)
+                _draw_text(draw, (left, top), k * (cell_w + pad) - pad, captions[i], font)
         if notes is not None:
             for i in members:
-                left = pad + (i % cols) * (cell + pad)
-                _draw_text(draw, (left, top + cap_h + cell), cell, notes[i], font)
+                left = pad + (i % cols) * (cell_w + pad)
+                _draw_text(draw, (left, top + cap_h + cell), cell_w, notes[i], font)
     return np.asarray(pil)
+
+
+def _square_cells(x: torch.Tensor, scale: int) -> torch.Tensor:
+    """[N, 3, H, W] centred on square canvases, upscaled ``scale`` x (nearest neighbour)."""
+    n, _, h, w = x.shape
+    side = max(h, w)
+    if h != w:  # centre on a square canvas
+        canvas = torch.zeros(n, 3, side, side)
+        top, left = (side - h) // 2, (side - w) // 2
+        canvas[:, :, top : top + h, left : left + w] = x
+        x = canvas
+    if scale > 1:
+        x = x.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)
+    return x
+
+
+def fit_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[C, h, w] -> [C, ``height``, ``width``]: scaled to fit (aspect kept, antialiased
+    bilinear), centred on black; unchanged when already that size. How an edit's source image
+    is shown beside its result."""
+    c, h, w = image.shape
+    if (h, w) == (height, width):
+        return image
+    f = min(height / h, width / w)
+    nh, nw = max(1, round(h * f)), max(1, round(w * f))
+    small = torch.nn.functional.interpolate(
+        image[None].float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False
+    )[0]
+    out = image.new_zeros((c, height, width), dtype=small.dtype)
+    top, left = (height - nh) // 2, (width - nw) // 2
+    out[:, top : top + nh, left : left + nw] = small
+    return out
+
+
+def fitted_sources(
+    rows: Sequence[Sequence[torch.Tensor]] | None, height: int, width: int
+) -> torch.Tensor | None:
+    """Each sample's first source image fitted to the results' size -> [N, 3, H, W] in
+    [0, 1] (what ``make_grid(sources=)`` shows beside each result), or None without any."""
+    if rows is None:
+        return None
+    blank = torch.zeros(3, height, width)
+    return torch.stack(
+        [fit_image(r[0].float().clamp(0, 1), height, width) if r else blank for r in rows]
+    )
 
 
 def _font() -> Any:
@@ -163,9 +216,11 @@ def save_grid(
     nrow: int | None = None,
     captions: Sequence[str] | None = None,
     notes: Sequence[str] | None = None,
+    sources: torch.Tensor | None = None,
 ) -> Path:
-    """Write ``make_grid(images, nrow, captions=..., notes=...)`` as a PNG, or videos
-    [N, C, F, H, W] as an animated GIF beside it (``grid_path``); returns the path written."""
+    """Write ``make_grid(images, nrow, captions=..., notes=..., sources=...)`` as a PNG, or
+    videos [N, C, F, H, W] as an animated GIF beside it (``grid_path``); returns the path
+    written."""
     from PIL import Image
 
     path = grid_path(path, images)
@@ -173,7 +228,8 @@ def save_grid(
     if images.dim() == 5:
         path.write_bytes(gif_bytes(video_grid(images, nrow, captions, notes)))
     else:
-        Image.fromarray(make_grid(images, nrow, captions=captions, notes=notes)).save(path)
+        grid = make_grid(images, nrow, captions=captions, notes=notes, sources=sources)
+        Image.fromarray(grid).save(path)
     return path
 
 

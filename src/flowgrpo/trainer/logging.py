@@ -98,15 +98,17 @@ def write_final_report(
 ) -> dict[str, str]:
     """End of a run (rank 0): ``grid_after.png`` (.gif for videos), ``reward_curve.png`` and the
     printed base-vs-final table. ``grid``: images [N, C, H, W] (videos [N, C, F, H, W]), or
-    (images, prompts, rewards) to caption each row with its prompt and each image with its
-    reward. Returns the figure paths."""
-    images, captions, notes = grid, None, None
+    (images, prompts, rewards[, sources]) to caption each row with its prompt and each image
+    with its reward (an edit run's sources beside each image). Returns the figure paths."""
+    images, captions, notes, sources = grid, None, None, None
     if isinstance(grid, tuple):
-        images, captions, rewards = grid
+        images, captions, rewards, *rest = grid
         notes = reward_notes(rewards)
+        sources = rest[0] if rest else None
+    after = save_grid(images, out / "grid_after.png", nrow, captions, notes, sources)
     paths = {
         "grid_before": str(grid_path(out / "grid_before.png", images)),
-        "grid_after": str(save_grid(images, out / "grid_after.png", nrow, captions, notes)),
+        "grid_after": str(after),
         "reward_curve": str(
             plot_reward_curve(
                 read_jsonl(out / "metrics.jsonl"),
@@ -335,10 +337,11 @@ class RunLogger:
         nrow: int | None = None,
         prompts: Sequence[str] | None = None,
         rewards: Sequence[float] | None = None,
+        sources: torch.Tensor | None = None,
     ) -> None:
         """An image grid [N, C, H, W] in [0, 1] (videos [N, C, F, H, W]: an animated GIF) to
         tensorboard / wandb, each row captioned with its prompt and each image with its reward
-        when given. wandb also gets each image captioned "prompt | reward" and a per-prompt
+        when given; an edit run's ``sources`` (fitted to the images' size) beside each image. wandb also gets each image captioned "prompt | reward" and a per-prompt
         table (``TAG_table``: prompt, reward, image)."""
         if not self.enabled or (self._tb is None and self._wandb is None):
             return
@@ -346,7 +349,7 @@ class RunLogger:
         if images.dim() == 5:
             self._log_video(tag, video_grid(images, nrow, prompts, notes), step)
         else:
-            grid = make_grid(images, nrow, captions=prompts, notes=notes)
+            grid = make_grid(images, nrow, captions=prompts, notes=notes, sources=sources)
             if self._tb is not None:
                 self._tb.add_image(tag, grid, step, dataformats="HWC")
             if self._wandb is not None:

@@ -37,7 +37,7 @@ from flowgrpo.rewards import AsyncRewardScorer
 from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup
-from flowgrpo.trainer.figures import reward_notes, save_grid, save_images
+from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
 from flowgrpo.trainer.logging import RunLogger, startup_banner, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
 
@@ -289,7 +289,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     cfg, dist = run.cfg, run.dist
     if dist.device.type == "cuda":  # this step's peak, not the run's
         torch.cuda.reset_peak_memory_stats(dist.device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     indices, groups = run.sampler.global_step_samples(step - 1)  # all ranks, groups of K
     start, count = rank_slice(len(indices), run.engine.dp_size, run.engine.dp_rank)
     mine = list(range(start, start + count))  # this rank's global sample numbers
@@ -307,7 +307,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     if plan.train:  # MixGRPO's empty window trains nothing
         seeds = [setup.sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
-    t3 = time.perf_counter()
+    t3, cpu3 = time.perf_counter(), time.process_time()
     memory = all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
     if not bool(combined.advantages.any()):  # every group's rewards were equal
         train_metrics = {
@@ -324,6 +324,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         "time/reward_s": reward_s,
         "time/train_s": t3 - t2,
         "time/step_s": t3 - t0,
+        "time/step_cpu_s": cpu3 - cpu0,  # this process's CPU time: fair on a shared machine
         "images_per_s": len(indices) / max(t3 - t0, 1e-9),
         "images_per_s_per_gpu": len(indices) / max(t3 - t0, 1e-9) / dist.world_size,
         **{k: max(m[k] for m in memory) for k in memory[0]},
@@ -359,6 +360,9 @@ class EvalGrid(NamedTuple):
     images: torch.Tensor
     prompts: list[str]
     rewards: list[float]
+    #: an edit run's source images fitted to the results' size [n, 3, H, W] (rank 0), shown
+    #: source | result; None for text-to-image
+    sources: torch.Tensor | None = None
 
 
 def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
@@ -389,6 +393,11 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
     out.update({f"eval/{k}_mean": float(v.mean()) for k, v in rewards.items()})
     keep = [i for i, g in enumerate(idx[:real]) if g in run.grid_index]
     shown = gather_group_firsts(run, (images[keep] * 255).round().to(torch.uint8))
+    sources = None
+    if run.adapter.edits and images.dim() == 4:  # an edit run's grid: source | result
+        rows = [list(metadata[i].get("source_images") or []) for i in keep]
+        fitted = fitted_sources(rows, *images.shape[-2:])
+        sources = gather_group_firsts(run, (fitted * 255).round().to(torch.uint8))
     if run.eval_reward is not None:  # set-level scores (e.g. diversity): every image at once
         every = torch.cat(gather_group_firsts(run, images))
         with reward_failures(run.eval_reward, every, ev.prompts, ev.metadata, ev.locations, when):
@@ -398,7 +407,11 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
         )
     grid = torch.cat(shown).float() / 255 if run.dist.is_main else torch.empty(0)
     order = sorted(run.grid_index)  # the grid's images, in the global order of `shown`
-    return out, EvalGrid(grid, [ev.prompts[g] for g in order], [float(total[g]) for g in order])
+    if sources is not None:
+        sources = torch.cat(sources).float() / 255 if run.dist.is_main else torch.empty(0)
+    return out, EvalGrid(
+        grid, [ev.prompts[g] for g in order], [float(total[g]) for g in order], sources
+    )
 
 
 # -- the loop ----------------------------------------------------------------------------------
@@ -483,7 +496,14 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         logger.write(f"base eval: {time.perf_counter() - t:.1f} s")
         if dist.is_main:
             notes = reward_notes(grid.rewards)
-            save_grid(grid.images, out / "grid_before.png", run.grid_cols, grid.prompts, notes)
+            save_grid(
+                grid.images,
+                out / "grid_before.png",
+                run.grid_cols,
+                grid.prompts,
+                notes,
+                grid.sources,
+            )
             logger.log_images("eval/images", grid.images, 0, run.grid_cols, *grid[1:])
     final_eval, grid, checkpoint_s = None, None, None
     while state["step"] < tr.max_steps:
@@ -564,6 +584,10 @@ def _restored(
     return run
 
 
+#: beside an edit's ``flowgrpo sample`` outputs: each prompt's source | result
+EDIT_GRID = "grid.png"
+
+
 def run_sample(
     cfg: Any,
     checkpoint: str | Path | None,
@@ -574,13 +598,13 @@ def run_sample(
     """ODE samples (eval steps/guidance) of ``prompts`` from the base model or a checkpoint,
     one PNG each in ``out_dir`` (GIF for videos) and ``prompts.jsonl`` saying which prompt
     made which file; sample i's noise comes from (seed, i). ``images``: each prompt's source
-    images (editing models)."""
+    images (editing models); then ``grid.png`` shows each prompt's source | result."""
     if not prompts:
         raise ValueError("run_sample needs at least one prompt")
     run = _restored(cfg, checkpoint, "sample", tuple(prompts))  # prompts reach the cache
     with run.ema():
         plan = run.eval_plan()
-        images = rollout(
+        result = rollout(
             run,
             list(prompts),
             list(range(len(prompts))),
@@ -588,10 +612,14 @@ def run_sample(
             plan,
             eval=True,
             images=images,
-        )
+        ).images
     if not run.dist.is_main:
         return []
-    return save_images(images.images, out_dir, prompts=list(prompts))
+    paths = save_images(result, out_dir, prompts=list(prompts))
+    if images is not None and result.dim() == 4:  # an edit: source | result, a prompt a row
+        fitted = fitted_sources(images, *result.shape[-2:])
+        save_grid(result, Path(out_dir) / EDIT_GRID, 1, list(prompts), sources=fitted)
+    return paths
 
 
 def run_eval(cfg: Any, checkpoint: str | Path | None) -> dict[str, float]:
