@@ -37,7 +37,6 @@ is this family's.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -361,17 +360,10 @@ class HunyuanVideo15Adapter(DiffusionAdapter):
     # -- schedule and latents -----------------------------------------------------------------------
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """``retrieve_timesteps(sigmas=linspace(1, 0, N + 1)[:-1])`` as the pipeline, on a copy."""
-        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
-            retrieve_timesteps,
-        )
-
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        sigmas = np.linspace(1.0, 0.0, num_steps + 1)[:-1]
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas)
-        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+        return self.shifted_schedule(num_steps, np.linspace(1.0, 0.0, num_steps + 1)[:-1])
 
     def prepare_latents(
         self,
