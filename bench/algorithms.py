@@ -62,7 +62,6 @@ ALGORITHMS = tuple(r.key for r in ROWS)  # the table's rows, in order
 
 def run_one(row: Row, seed: int, out: Path, steps: int, eval_every: int) -> dict[str, object]:
     """One training run; its eval curve against the steps' CPU time, and where it crosses."""
-    from flowgrpo.trainer.logging import read_jsonl
 
     args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", f"algorithm={row.algorithm}"]
     args += [f"seed={seed}", f"trainer.max_steps={steps}", f"trainer.eval_every={eval_every}"]
@@ -74,6 +73,13 @@ def run_one(row: Row, seed: int, out: Path, steps: int, eval_every: int) -> dict
         raise RuntimeError(
             f"{row.key} seed {seed}: exit {child.returncode}: {child.stderr[-2000:]}"
         )
+    return read_run(out)
+
+
+def read_run(out: Path) -> dict[str, object]:
+    """A finished run folder's eval curve against its steps' CPU time, and where it crosses."""
+    from flowgrpo.trainer.logging import read_jsonl
+
     rows, evals = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "eval.jsonl")
     clock, wall, samples = {0: 0.0}, {0: 0.0}, {0: 0}
     for r in rows:  # training CPU time, wall time and images up to each step

@@ -10,7 +10,7 @@ import torch
 
 from flowgrpo.testing.ranks import spawn
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # one spawn runs every case
 
 
 @pytest.fixture(scope="module")

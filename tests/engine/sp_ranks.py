@@ -240,6 +240,87 @@ def check_kind(kind: str, pm) -> dict:
     return res
 
 
+#: families with their own plan in their adapter's file (diffusers has none), checked on their
+#: adapters' own prompt embeddings at a size of theirs
+OWN_KINDS = ("z_image", "qwen_image21", "hunyuan_video15")
+OWN_HW = {"z_image": (32, 32), "qwen_image21": (64, 64), "hunyuan_video15": (32, 32)}
+OWN_PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
+FIRST_SPLIT_BLOCK = {"z_image": "layers.0"}  # else transformer_blocks.0
+
+
+def _own_adapter(kind: str):
+    from flowgrpo.models import build_adapter
+    from flowgrpo.models.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(kind)
+    if kind == "hunyuan_video15":  # an odd joint text (4 + 16 + 25), as the real 1985: padded
+        pipe.tokenizer_max_length = 25
+        return build_adapter(pipe, num_frames=5)
+    return build_adapter(pipe)
+
+
+def check_own_plan(kind: str, pm) -> dict:
+    """Forward, guided velocity (CFG batch, negatives of other lengths), bf16 and LoRA + FSDP2
+    gradients +- activation checkpointing (the blocks then get positional arguments, which the
+    plan's hooks find by the forward's signature) for a family with its own plan. Qwen-Image
+    2.1's positive prompts are cut to odd lengths: its text is padded after the image."""
+    from flowgrpo.engine.sp import enable_sequence_parallel
+
+    adapter = _own_adapter(kind)
+    base = adapter.transformer
+    hw = OWN_HW[kind]
+    pos = adapter.encode_prompts(OWN_PROMPTS)
+    neg = adapter.encode_prompts(["", "blurry"])
+    if kind == "qwen_image21":
+        n = pos.mask.sum(1)
+        n = n - (1 - n % 2)
+        mask = (torch.arange(pos.mask.shape[1])[None] < n[:, None]).long()
+        pos = PromptEmbeds(pos.embeds, mask, pos.pooled)
+    lat = adapter.prepare_latents(2, hw[0], hw[1], torch.Generator().manual_seed(1))
+    inputs = (lat, torch.tensor([0.8, 0.35]), pos, neg)
+    res: dict = {}
+    model = copy.deepcopy(base)
+    res["family"] = enable_sequence_parallel(model, pm, 2).family
+    with torch.no_grad():
+        f_sp, f_one = (
+            adapter.forward(m, lat, inputs[1], pos, height=hw[0], width=hw[1], guidance_scale=4.0)
+            for m in (model, base)
+        )
+        res["forward_rel"] = rel(f_sp, f_one)
+        res["velocity_rel"] = rel(*(velocity(adapter, m, inputs, hw) for m in (model, base)))
+    sp16 = copy.deepcopy(base).to(torch.bfloat16)
+    one16 = copy.deepcopy(sp16)
+    res["bf16_family"] = enable_sequence_parallel(
+        sp16, pm, 2, spec=adapter.sequence_parallel
+    ).family
+    with torch.no_grad():
+        v32, v_sp, v_one = (velocity(adapter, m, inputs, hw) for m in (base, sp16, one16))
+    res["bf16_sp_vs_fp32_rel"] = rel(v_sp, v32)
+    res["bf16_one_vs_fp32_rel"] = rel(v_one, v32)
+    weight = torch.randn(lat.shape, generator=torch.Generator().manual_seed(7))
+
+    def loss_grads_hw(m) -> dict[str, torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        (velocity(adapter, m, inputs, hw) * weight).sum().backward()
+        return grads(m)
+
+    for case, ckpt in (("lora_fsdp", False), ("lora_fsdp_ckpt", True)):
+        model = copy.deepcopy(base)
+        add_lora(model, adapter)
+        ref = copy.deepcopy(model)
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        enable_sequence_parallel(model, pm, 2)
+        shard(model, pm)
+        calls: list[int] = []
+        block = model.get_submodule(FIRST_SPLIT_BLOCK.get(kind, "transformer_blocks.0"))
+        block.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
+        out = compare_grads(loss_grads_hw(model), loss_grads_hw(ref))
+        out["block0_calls"] = len(calls)
+        res.update({f"{case}_{k}": v for k, v in out.items()})
+    return res
+
+
 def _heads_error(pm) -> str:
     from diffusers import FluxTransformer2DModel
 
@@ -295,18 +376,19 @@ def sp_job(rank: int, world: int, port: int, workdir: str) -> None:
             fsdp=pm.fsdp.size(),
         )
     }
-    for kind in KINDS:
+    for kind in KINDS + OWN_KINDS:
         try:
-            results[kind] = check_kind(kind, pm)
+            check = check_kind if kind in KINDS else check_own_plan
+            results[kind] = check(kind, pm)
         except Exception:  # noqa: BLE001 - reported to the test process
             results[kind] = {"crash": traceback.format_exc()}
     results["heads_error"] = _heads_error(pm)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
-        merged = {k: v for k, v in results.items() if k not in KINDS}
+        merged = {k: v for k, v in results.items() if k not in KINDS + OWN_KINDS}
         merged["meshes"] = [g["mesh"] for g in gathered]
-        for kind in KINDS:
+        for kind in KINDS + OWN_KINDS:
             per_rank = [g[kind] for g in gathered]
             crash = [r["crash"] for r in per_rank if "crash" in r]
             merged[kind] = {"crash": crash[0]} if crash else _merge(per_rank)

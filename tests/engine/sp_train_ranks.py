@@ -23,9 +23,43 @@ KINDS = (
     "flux2_klein",
     "qwen_image_edit",
     "qwen_image_edit_plus",
+    "z_image",
+    "qwen_image21",
+    "hunyuan_video15",
     "flux_kontext",
 )
 MODES = ("lora", "full")
+#: the module whose input is split (its output is gathered): proj_out unless named here
+OUTPUT_MODULE = {"z_image": "all_final_layer.2-1"}
+#: families whose text is padded under SP, and the text keyword whose length grows
+PADDED = {"qwen_image21": "encoder_hidden_states", "hunyuan_video15": "encoder_hidden_states"}
+
+
+def padded_forward(adapter, model, kind: str) -> dict:
+    """One forward whose text does not divide by 2 (Qwen-Image 2.1: every prompt cut to an odd
+    length; HunyuanVideo-1.5: its joint text is odd, 4 + 16 + 25 tokens, like the real model's
+    729 + 256 + 1000): the velocity and the text length each transformer call got."""
+    from flowgrpo.models.base import PromptEmbeds
+
+    embeds = adapter.encode_prompts(PROMPTS)
+    if kind == "qwen_image21":
+        n = embeds.mask.sum(1)
+        n = n - (1 - n % 2)  # odd lengths
+        mask = (torch.arange(embeds.mask.shape[1])[None] < n[:, None]).long()
+        embeds = PromptEmbeds(embeds.embeds, mask, embeds.pooled)
+    texts: list[int] = []
+    key = PADDED[kind]
+    hook = adapter.transformer.register_forward_pre_hook(  # after the engine's padding hook
+        lambda module, args, kwargs: texts.append(kwargs[key].shape[1]), with_kwargs=True
+    )
+    lat = adapter.prepare_latents(len(PROMPTS), 32, 32, torch.Generator().manual_seed(5))
+    sigma = torch.tensor([0.7, 0.4])
+    with torch.no_grad():
+        v = adapter.forward(model, lat, sigma, embeds, height=32, width=32, guidance_scale=4.0)
+    hook.remove()
+    return {"pad_v": v.cpu(), "pad_text": texts}
+
+
 #: editing kinds: (height, width, each prompt's source images as (height, width) pixels, the
 #: VAE view's pixel area, the source tokens). The pipelines resize a source to ~1024² pixels
 #: (multiples of 32, aspect kept); scaled down here to 64 x 192 to keep the test fast: a 1:3
@@ -72,12 +106,15 @@ def run(kind: str, mode: str, sp: int) -> dict:
         }
     )
     pipe = tiny_pipeline(kind)
+    if kind == "hunyuan_video15":  # an odd joint text (4 + 16 + 25), as the real model's 1985
+        pipe.tokenizer_max_length = 25
     options = {
         "flux": {"true_cfg_scale": 4.0},
         "wan": {"num_frames": 5},
         "wan22": {"num_frames": 5},
         "flux2": {"max_sequence_length": 64},  # text and image tokens both split over sp=2
         "flux2_klein": {"max_sequence_length": 64},
+        "hunyuan_video15": {"num_frames": 5},
         "flux_kontext": {"max_sequence_length": 16, "source_size": 64},
     }
     options = options.get(kind, {})
@@ -90,7 +127,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
     # output is gathered after it)
     parts = getattr(adapter.transformer, "sequence_parallel_parts", None)  # Wan2.2's experts
     for transformer in parts() if parts else [adapter.transformer]:
-        transformer.proj_out.register_forward_pre_hook(
+        transformer.get_submodule(OUTPUT_MODULE.get(kind, "proj_out")).register_forward_pre_hook(
             lambda module, args: seen.append(args[0].shape[1])
         )
     g = 3.5 if kind == "flux" else 4.0
@@ -111,6 +148,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
             ],
             dim=1,
         )
+    padded = padded_forward(adapter, engine.model, kind) if kind in PADDED else {}
     metrics = algo.update(traj, ADVANTAGES, step=1, sample_seeds=[0, 1])
     params = tinymodel.trainable(engine)
     return {
@@ -121,6 +159,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
         "metrics": metrics,
         "tokens": max(seen),
         "dp_size": engine.dp_size,
+        **padded,
     }
 
 

@@ -72,6 +72,22 @@ def test_lora_fsdp_gradients_equal_one_process(sp2, kind, case):
     assert res[f"{case}_grad_ratio"] == pytest.approx(1.0, abs=1e-5)  # not 1/sp
 
 
+@pytest.mark.parametrize("kind", sp_ranks.OWN_KINDS)
+def test_own_plan_forward_velocity_and_grads_equal_one_process(sp2, kind):
+    """Z-Image, Qwen-Image 2.1, HunyuanVideo-1.5: the plans and processors in their files."""
+    res = _kind(sp2, kind)
+    print(kind, {k: f"{v:.1e}" for k, v in res.items() if k.endswith("_rel")})
+    assert res["family"] == res["bf16_family"] == kind
+    assert res["forward_rel"] < TOL
+    assert res["velocity_rel"] < TOL
+    assert res["bf16_sp_vs_fp32_rel"] <= 1.5 * res["bf16_one_vs_fp32_rel"] + 1e-3
+    for case in ("lora_fsdp", "lora_fsdp_ckpt"):
+        assert res[f"{case}_n_grads"] > 0
+        assert res[f"{case}_grad_rel"] < TOL, case
+        assert res[f"{case}_grad_ratio"] == pytest.approx(1.0, abs=1e-5)  # not 1/sp
+    assert res["lora_fsdp_ckpt_block0_calls"] == 2 * res["lora_fsdp_block0_calls"] > 0
+
+
 def test_without_the_gradient_scale_fsdp_gives_grad_over_sp(sp2):
     assert _kind(sp2, "sd3")["no_scale_grad_ratio"] == pytest.approx(0.5, abs=1e-5)
 

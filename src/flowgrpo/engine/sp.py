@@ -175,7 +175,7 @@ class _SPForwardCheck:
                 check_cp_processors(module)  # raises, naming the module
         if self.spec is None:
             return None
-        hs, ehs = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+        hs, ehs = kwargs[self.spec.image_kwarg], kwargs[self.spec.text_kwarg]
         n_img = self.spec.image_tokens(module, hs)
         if n_img % self.sp:
             raise ValueError(
@@ -184,14 +184,15 @@ class _SPForwardCheck:
                 f"{self.sp}"
             )
         if self.verify_inputs:
-            self._verify(hs, ehs, kwargs.get("timestep"))
-        pad = (-ehs.shape[1]) % self.sp
+            self._verify(hs, ehs, kwargs.get(self.spec.timestep_kwarg))
+        pad = self.spec.text_padding(module, kwargs, self.sp)
         if pad == 0:
             return None
         return args, self.spec.pad_text(kwargs, pad)
 
-    def _verify(self, *tensors: torch.Tensor | None) -> None:
-        sums = torch.stack([t.double().sum() for t in tensors if t is not None])
+    def _verify(self, *inputs: torch.Tensor | list[torch.Tensor] | None) -> None:
+        tensors = [t for x in inputs if x is not None for t in (x if isinstance(x, list) else [x])]
+        sums = torch.stack([t.double().sum() for t in tensors])
         gathered = [torch.empty_like(sums) for _ in range(self.sp)]
         dist.all_gather(gathered, sums, group=self.group)
         if not all(torch.equal(g, sums) for g in gathered):
@@ -275,15 +276,17 @@ def enable_sequence_parallel(
     plan = getattr(transformer, "_cp_plan", None) if spec is None else spec.cp_plan(transformer)
     if plan is None:
         raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan)")
+    attention = _attention_modules(transformer)
     heads = getattr(transformer.config, "num_attention_heads", None)
+    if heads is None:  # a config that names them otherwise: the attention modules' count
+        heads = next((m.heads for _, m in attention if hasattr(m, "heads")), None)
     if heads is None or heads % sp_degree:
         raise ValueError(
             f"{type(transformer).__name__} has {heads} attention heads, which do not split "
             f"over sp_degree={sp_degree}: Ulysses gives each rank heads / sp of them"
         )
-    attention = _attention_modules(transformer)
-    for _, module in attention:  # the family's processors (same math, CP-capable, text mask)
-        processor = None if spec is None else spec.attention_processor(module)
+    for name, module in attention:  # the family's processors (same math, CP-capable, text mask)
+        processor = None if spec is None else spec.processor_for(name, module)
         if processor is not None:
             module.set_processor(processor)
     config = ContextParallelConfig(ulysses_degree=sp_degree, mesh=cp)

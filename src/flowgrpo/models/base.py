@@ -279,6 +279,36 @@ class DiffusionAdapter(ABC):
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """The pipeline's sigma schedule for this many steps at this image size."""
 
+    def shifted_schedule(
+        self,
+        num_steps: int,
+        sigmas: Any = None,
+        *,
+        image_seq_len: int | None = None,
+        mu: float | None = None,
+        max_shift: float = 1.15,
+    ) -> Schedule:
+        """``retrieve_timesteps(N, sigmas=, mu=)`` on a copy of the pipeline's scheduler (its
+        state untouched), as the pipelines call it. Given ``image_seq_len``, ``mu`` is
+        ``calculate_shift(image_seq_len, ...)`` with the scheduler config's base/max sequence
+        lengths and shifts (diffusers' defaults 256, 4096, 0.5, ``max_shift``): the dynamic
+        shift of FLUX, SD3.5, Qwen-Image (2.1) and Z-Image, one function copied into each."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        conf = scheduler.config
+        if image_seq_len is not None:
+            mu = calculate_shift(
+                image_seq_len,
+                conf.get("base_image_seq_len", 256),
+                conf.get("max_image_seq_len", 4096),
+                conf.get("base_shift", 0.5),
+                conf.get("max_shift", max_shift),
+            )
+        kwargs = {k: v for k, v in (("sigmas", sigmas), ("mu", mu)) if v is not None}
+        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
+        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+
     def scheduler_schedule(self, num_steps: int) -> Schedule:
         """``set_timesteps(N)`` on a copy of the pipeline's scheduler, as a pipeline that passes
         neither sigmas nor mu does (Wan, the toy); the pipeline's own scheduler is untouched."""

@@ -18,7 +18,6 @@ Mirrors ``FluxPipeline.__call__`` piece by piece:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -178,26 +177,14 @@ class FluxAdapter(DiffusionAdapter):
 
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """linspace(1, 1/N, N) sigmas with the pipeline's dynamic shift (on a scheduler copy)."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        conf = scheduler.config
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if conf.get("use_flow_sigmas", False):
+        if self.pipe.scheduler.config.get("use_flow_sigmas", False):
             sigmas = None
         h, w = self.latent_size(height, width)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            conf.get("base_image_seq_len", 256),
-            conf.get("max_image_seq_len", 4096),
-            conf.get("base_shift", 0.5),
-            conf.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-        return Schedule(scheduler.sigmas.float(), timesteps.float())
+        return self.shifted_schedule(num_steps, sigmas, image_seq_len=(h // 2) * (w // 2))
 
     def prepare_latents(
         self,

@@ -22,7 +22,6 @@ Mirrors ``Flux2Pipeline.__call__`` / ``Flux2KleinPipeline.__call__`` of diffuser
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -158,22 +157,17 @@ class Flux2Adapter(DiffusionAdapter):
 
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """linspace(1, 1/N, N) sigmas shifted with the empirical mu (on a scheduler copy)."""
-        from diffusers.pipelines.flux2.pipeline_flux2 import (
-            compute_empirical_mu,
-            retrieve_timesteps,
-        )
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if scheduler.config.get("use_flow_sigmas", False):
+        if self.pipe.scheduler.config.get("use_flow_sigmas", False):
             sigmas = None
         th, tw = self._tokens_hw(height, width)
         mu = compute_empirical_mu(image_seq_len=th * tw, num_steps=num_steps)
-        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-        return Schedule(scheduler.sigmas.float().cpu(), scheduler.timesteps.float().cpu())
+        return self.shifted_schedule(num_steps, sigmas, mu=mu)
 
     def prepare_latents(
         self,

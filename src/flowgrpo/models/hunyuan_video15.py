@@ -30,19 +30,20 @@ Mirrors ``HunyuanVideo15Pipeline.__call__`` of diffusers 0.42.1 piece by piece:
   as the pipeline casts ``t`` to the latents' dtype.
 - decode: ``latents / scaling_factor`` -> ``vae.decode`` -> videos [B, 3, F, H, W],
   ``(x / 2 + 0.5).clamp(0, 1)``. flowgrpo keeps the VAE's [B, C, F, H, W] layout.
-Image-to-video (``HunyuanVideo15ImageToVideoPipeline``) is not supported. The transformer has
-no diffusers ``_cp_plan``: no sequence parallelism.
+Image-to-video (``HunyuanVideo15ImageToVideoPipeline``) is not supported. Sequence
+parallelism: the transformer has no diffusers ``_cp_plan``; ``HunyuanVideo15SequenceParallel``
+is this family's.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from flowgrpo.models.base import (
     DiffusionAdapter,
@@ -52,6 +53,136 @@ from flowgrpo.models.base import (
     TokenCounts,
     param_dtype,
 )
+from flowgrpo.models.parallel import SequenceParallelSpec
+
+
+# -- sequence parallelism: a CP-capable dual-stream processor, a cp plan, local refiner --------
+class CPHunyuanVideo15AttnProcessor:
+    """diffusers' ``HunyuanVideo15AttnProcessor2_0`` (q/k RMS-norm, RoPE on the video tokens,
+    [video, text] joint order) for split tokens: it gets this rank's chunk of the text mask
+    (the plan splits it with the text) and masks keys only, [B, 1, 1, S_local], which diffusers'
+    Ulysses attention all-gathers into the order of its gathered keys. The stock processor
+    builds a [B, 1, S, S] query-and-key mask from the full text mask and the local length, which
+    do not match once split; the query half only touches padded text rows, whose outputs never
+    reach a valid token (their keys are masked) nor the output (the video stream)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        if encoder_hidden_states is None or attention_mask is None:
+            raise ValueError("CPHunyuanVideo15AttnProcessor is for the dual-stream blocks")
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))
+
+        query, key, value = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        projs = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        eq, ek, ev = (heads(f(encoder_hidden_states)) for f in projs)
+        if attn.norm_added_q is not None:
+            eq = attn.norm_added_q(eq)
+        if attn.norm_added_k is not None:
+            ek = attn.norm_added_k(ek)
+        n_vid = hidden_states.shape[1]
+        query, key, value = (torch.cat(p, dim=1) for p in ((query, eq), (key, ek), (value, ev)))
+        text = attention_mask.bool()
+        mask = torch.cat([text.new_ones(text.shape[0], n_vid), text], dim=1)[:, None, None, :]
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(query.dtype)
+        video, text_out = out[:, :n_vid], out[:, n_vid:]
+        return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(text_out)
+
+
+def _local_attn_processor() -> Any:
+    """diffusers' ``AttnProcessor2_0`` (the token refiner's, which attends with
+    ``F.scaled_dot_product_attention`` directly), declared as taking part: it runs inside
+    ``context_embedder``, before the split, on every rank's whole text."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class HunyuanVideo15LocalAttnProcessor(AttnProcessor2_0):
+        """The refiner's processor, unchanged; attends over the (unsplit) tokens it gets."""
+
+        _attention_backend = None
+        _parallel_config = None
+
+    return HunyuanVideo15LocalAttnProcessor()
+
+
+class HunyuanVideo15SequenceParallel(SequenceParallelSpec):
+    """HunyuanVideo-1.5 under Ulysses SP. ``HunyuanVideo15Transformer3DModel`` (no ``_cp_plan``
+    in diffusers 0.42.1) builds its text sequence inside ``forward``: the token-refined Qwen
+    text, the ByT5 glyph text and the image-embedding tokens, reordered valid first, with one
+    mask [B, L_txt]; the dual-stream blocks take (video [B, S, D], text, temb, mask, RoPE
+    (cos, sin) [S, D]). The plan splits video and text where they enter block 0, the mask and
+    RoPE at every block, and gathers after ``proj_out``, before the unpatchify.
+
+    Padding: L_txt (image tokens + L2 + L; 729 + 256 + 1000 = 1985 for the real model) is padded
+    to a multiple of sp by appending masked zero tokens to the Qwen text and its mask: the
+    token refiner masks them (attention and mean pooling) and the reorder moves them among the
+    invalid tokens. The refiner attends before the split and keeps diffusers' processor."""
+
+    name = "hunyuan_video15"
+    transformer_class = "HunyuanVideo15Transformer3DModel"
+    text_mask_kwarg = "encoder_attention_mask"
+    image_token_rule = "latent frames x h x w"
+
+    def cp_plan(self, transformer: nn.Module) -> dict[str, Any]:
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        tokens = ContextParallelInput(split_dim=1, expected_dims=3)
+        rope = ContextParallelInput(split_dim=0, expected_dims=2)
+        return {
+            "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
+            "transformer_blocks.*": {
+                "attention_mask": ContextParallelInput(split_dim=1, expected_dims=2),
+                "freqs_cis": [rope, rope],
+            },
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
+    def attention_processor(self, module: nn.Module) -> Any:
+        """The dual-stream blocks' attention (it has the text projections): the CP processor;
+        the token refiner's: diffusers' own, local."""
+        if getattr(module, "add_q_proj", None) is None:
+            return _local_attn_processor()
+        return CPHunyuanVideo15AttnProcessor()
+
+    def image_tokens(self, transformer: nn.Module, hidden_states: torch.Tensor) -> int:
+        """Video tokens of the [B, C, F, H, W] latents (patchified inside)."""
+        c = transformer.config
+        _, _, f, h, w = hidden_states.shape
+        return (f // c.patch_size_t) * (h // c.patch_size) * (w // c.patch_size)
+
+    def text_padding(self, transformer: nn.Module, kwargs: dict[str, Any], sp: int) -> int:
+        """The joint text: image-embedding tokens + ByT5 tokens + Qwen tokens."""
+        n = kwargs["encoder_hidden_states"].shape[1]
+        for name in ("encoder_hidden_states_2", "image_embeds"):
+            if kwargs.get(name) is not None:
+                n += kwargs[name].shape[1]
+        return (-n) % sp
 
 
 class HunyuanVideo15Adapter(DiffusionAdapter):
@@ -79,6 +210,7 @@ class HunyuanVideo15Adapter(DiffusionAdapter):
         "ff_context.net.2",
     )
     batch_cfg = True  # both branches padded to the same L and L2
+    sequence_parallel = HunyuanVideo15SequenceParallel()
     default_negative_prompt = ""  # negative_prompt=None -> encode_prompt(None) -> [""] * B
 
     def __init__(self, pipe: Any, *, num_frames: int = 121):
@@ -228,17 +360,10 @@ class HunyuanVideo15Adapter(DiffusionAdapter):
     # -- schedule and latents -----------------------------------------------------------------------
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """``retrieve_timesteps(sigmas=linspace(1, 0, N + 1)[:-1])`` as the pipeline, on a copy."""
-        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import (
-            retrieve_timesteps,
-        )
-
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        sigmas = np.linspace(1.0, 0.0, num_steps + 1)[:-1]
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas)
-        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+        return self.shifted_schedule(num_steps, np.linspace(1.0, 0.0, num_steps + 1)[:-1])
 
     def prepare_latents(
         self,

@@ -56,6 +56,11 @@ class SequenceParallelSpec:
     text_mask_kwarg: str | None = None
     #: other per-text-token inputs, zero-padded along their token dim (dim -2)
     zero_padded_kwargs: tuple[str, ...] = ()
+    #: the transformer's keywords for its image (latent) input, text input and timestep, which
+    #: the engine's forward check reads (a tensor or a list of tensors each)
+    image_kwarg: str = "hidden_states"
+    text_kwarg: str = "encoder_hidden_states"
+    timestep_kwarg: str = "timestep"
     #: what ``image_tokens`` counts, for the error when they do not split over sp
     image_token_rule: str = "latent h/2 x w/2"
 
@@ -66,6 +71,17 @@ class SequenceParallelSpec:
     def attention_processor(self, module: nn.Module) -> Any | None:
         """The processor to install on attention ``module`` before enabling; None: keep."""
         return None
+
+    def processor_for(self, name: str, module: nn.Module) -> Any | None:
+        """The processor for the attention module called ``name`` (its path in the
+        transformer); a family whose modules need different processors by position overrides
+        this, the others ``attention_processor``."""
+        return self.attention_processor(module)
+
+    def text_padding(self, transformer: nn.Module, kwargs: dict[str, Any], sp: int) -> int:
+        """How many masked text tokens ``pad_text`` appends so that the text splits over
+        ``sp``: the text input's length up to a multiple of sp."""
+        return (-kwargs[self.text_kwarg].shape[1]) % sp
 
     def image_tokens(self, transformer: nn.Module, hidden_states: torch.Tensor) -> int:
         """Image tokens of the transformer's ``hidden_states`` input (packed [B, S, C])."""

@@ -16,7 +16,6 @@ Mirrors ``QwenImagePipeline.__call__`` of diffusers 0.42.1 piece by piece:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -123,27 +122,12 @@ class QwenImageAdapter(DiffusionAdapter):
 
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """sigmas [N+1] (final 0 included) and timesteps [N], exactly as the pipeline."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
-
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
         lh, lw = self._latent_hw(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)  # leave the pipeline's state alone
-        cfg = scheduler.config
-        mu = calculate_shift(
-            (lh // 2) * (lw // 2),
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+        return self.shifted_schedule(num_steps, sigmas, image_seq_len=(lh // 2) * (lw // 2))
 
     def prepare_latents(
         self,

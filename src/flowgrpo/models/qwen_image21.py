@@ -27,12 +27,12 @@ has no padding (tests/models/test_qwen_image21.py).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from flowgrpo.models.base import (
     DiffusionAdapter,
@@ -42,7 +42,149 @@ from flowgrpo.models.base import (
     TokenCounts,
     param_dtype,
 )
+from flowgrpo.models.parallel import SequenceParallelSpec, pad_tokens
 from flowgrpo.models.qwen_image import QwenImageAdapter
+
+
+# -- sequence parallelism: a block-causal CP processor, a cp plan, trailing text padding -------
+def block_causal_mask(
+    segments: list[tuple[int, int, bool]],
+    key_valid: torch.Tensor | None,
+    seq_len: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The dense boolean form [B or 1, 1, S, S] (True = attend) of Qwen-Image 2.1's attention
+    over the whole joint sequence: ``(q >= k) or same image block``, keys where ``key_valid``.
+
+    ``segments`` are the model's prefix runs (``_qwenimage21_prefix_segments``: text runs causal,
+    condition-image runs bidirectional); the target image after the prefix sees every key.
+    Padding appended after the target (``QwenImage21SequenceParallel.pad_text``: the trailing
+    keys ``key_valid`` marks invalid) is counted in the model's prefix length, whose last run
+    then holds the target's first tokens: the prefix is shortened by that padding, found on the
+    device (no sync). Padded queries are causal (they see every real key: no empty row)."""
+    idx = torch.arange(seq_len, device=device)
+    prefix = torch.tensor(segments[-1][1] if segments else 0, device=device)
+    pad = torch.zeros((), dtype=torch.long, device=device)
+    if key_valid is not None:
+        last = torch.where(key_valid.any(0), idx, -1).max()
+        pad = seq_len - 1 - last
+    prefix = prefix - pad
+    end = idx + 1  # keys [0, end) per query: causal by default (text, trailing padding)
+    for start, stop, is_text in segments:
+        if not is_text:  # a condition image sees its whole block (not the miscounted run)
+            end[start:stop] = torch.where(start < prefix, stop, end[start:stop])
+    target = (idx >= prefix) & (idx < seq_len - pad)
+    end = torch.where(target, seq_len, end)
+    mask = (idx[None, :] < end[:, None])[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid.bool()[:, None, None, :]
+    return mask
+
+
+class CPQwenImage21AttnProcessor:
+    """``QwenImage21AttnProcessor``'s prefill (the same projections, norms and RoPE:
+    diffusers' ``_qwenimage21_prepare_qkv``) as one ``dispatch_attention_fn`` call with the
+    block-causal structure as a dense mask (``block_causal_mask``), so that diffusers' Ulysses
+    attention, which gathers the whole sequence for a share of the heads, applies it. The stock
+    processor slices the joint sequence by global positions, which a rank's chunk does not
+    have. No KV cache."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        attention_mask: Any | None = None,
+        rotary_emb: torch.Tensor | None = None,
+        layer_cache: Any | None = None,
+        kv_cache_mode: str | None = None,
+        cache_write_slice: slice | None = None,
+        segments: list[tuple[int, int, bool]] | None = None,
+        key_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_qwenimage21 import (
+            _qwenimage21_prepare_qkv,
+        )
+
+        if layer_cache is not None or kv_cache_mode is not None or segments is None:
+            raise ValueError("Qwen-Image 2.1 under sequence parallelism: no KV cache, no flex mask")
+        query, key, value, _ = _qwenimage21_prepare_qkv(
+            attn, hidden_states, rotary_emb, None, None, None
+        )
+        cp = getattr(self._parallel_config, "context_parallel_config", None)
+        world = 1 if cp is None else cp._flattened_mesh.size()
+        mask = block_causal_mask(
+            segments, key_valid, hidden_states.shape[1] * world, hidden_states.device
+        )
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=0.0,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class QwenImage21SequenceParallel(SequenceParallelSpec):
+    """Qwen-Image 2.1 under Ulysses SP. ``QwenImage21Transformer2DModel`` (no ``_cp_plan`` in
+    diffusers 0.42.1) builds one joint sequence [text, target image] inside ``forward``; every
+    block gets it with its RoPE [S, D/2], its per-token modulation rows (``target_token_mask``
+    [S]) and the full-length key mask. The plan splits the sequence where it enters block 0,
+    RoPE and the modulation mask at every block and at ``norm_out``, and gathers after
+    ``proj_out``; ``CPQwenImage21AttnProcessor`` applies the block-causal mask densely.
+
+    Padding: the target image's RoPE frame position is the text length before it, so text
+    cannot be padded in place. The padding goes after the target image instead: ``img_mask``
+    gains trailing text slots, ``encoder_hidden_states`` zeros, and
+    ``encoder_hidden_states_mask`` (given in ``img_mask``'s layout, which the model reads it
+    in) marks them invalid keys. The model's output then has the padding after the image: the
+    adapter reads the image at ``[text, text + image)``."""
+
+    name = "qwen_image21"
+    transformer_class = "QwenImage21Transformer2DModel"
+    image_token_rule = "latent h x w, unpatched"
+
+    def cp_plan(self, transformer: nn.Module) -> dict[str, Any]:
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        seq = ContextParallelInput(split_dim=0, expected_dims=1)  # [S] modulation rows
+        return {
+            "transformer_blocks.0": {
+                "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)
+            },
+            "transformer_blocks.*": {
+                "rotary_emb": ContextParallelInput(split_dim=0, expected_dims=2),
+                "target_token_mask": seq,
+            },
+            "norm_out": {"target_token_mask": seq},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
+    def attention_processor(self, module: nn.Module) -> CPQwenImage21AttnProcessor:
+        return CPQwenImage21AttnProcessor()
+
+    def pad_text(self, kwargs: dict[str, Any], pad: int) -> dict[str, Any]:
+        """``pad`` masked text tokens after the target image (see the class docstring)."""
+        if kwargs.get("kv_cache") is not None:
+            raise ValueError("Qwen-Image 2.1 under sequence parallelism: no KV cache")
+        kwargs = dict(kwargs)
+        ehs, img_mask = kwargs["encoder_hidden_states"], kwargs["img_mask"]
+        batch, n = ehs.shape[:2]
+        mask = kwargs.get("encoder_hidden_states_mask")
+        if mask is None:
+            mask = torch.ones(batch, n, dtype=torch.bool, device=ehs.device)
+        slots = img_mask.shape[1] - n  # the target image's slots
+        kwargs["encoder_hidden_states"] = pad_tokens(ehs, pad, 1)
+        kwargs["img_mask"] = pad_tokens(img_mask, pad, 1)
+        kwargs["encoder_hidden_states_mask"] = pad_tokens(mask.bool(), slots + pad, 1)
+        return kwargs
 
 
 class QwenImage21Adapter(QwenImageAdapter):
@@ -58,7 +200,7 @@ class QwenImage21Adapter(QwenImageAdapter):
         "img_mlp.out",
     )
     batch_cfg = True  # ``forward`` groups rows by text length, so any batch is exact
-    sequence_parallel = None  # no diffusers ``_cp_plan`` for the block-causal transformer
+    sequence_parallel = QwenImage21SequenceParallel()
     default_negative_prompt = " "  # the pipeline encodes "" as " " anyway
 
     def __init__(self, pipe: Any):
@@ -104,29 +246,14 @@ class QwenImage21Adapter(QwenImageAdapter):
 
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """sigmas [N+1] (final 0 included) and timesteps [N], exactly as the pipeline."""
-        from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
-
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
         lh, lw = self._latent_hw(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)  # leave the pipeline's state alone
-        cfg = scheduler.config
-        mu = calculate_shift(
-            lh * lw,
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
         sigmas = self.pipe.config.get("sample_sigmas")
         if sigmas is None or len(sigmas) != num_steps:
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+        return self.shifted_schedule(num_steps, sigmas, image_seq_len=lh * lw)
 
     def prepare_latents(
         self,
@@ -195,7 +322,7 @@ class QwenImage21Adapter(QwenImageAdapter):
                 img_shapes=[[(1, lh, lw)]] * len(rows),
                 img_mask=img_mask,
                 return_dict=False,
-            )[0][:, -seq:]
+            )[0][:, n : n + seq]  # [text, image] (+ SP's padding after the image)
             if every:
                 return v
             if out is None:

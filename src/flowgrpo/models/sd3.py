@@ -16,7 +16,6 @@ Skip-layer guidance and IP-adapters are not supported.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -200,29 +199,14 @@ class SD3Adapter(DiffusionAdapter):
 
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """``retrieve_timesteps`` exactly as the pipeline calls it (on a scheduler copy)."""
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
-
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        kwargs: dict[str, Any] = {}
-        conf = scheduler.config
-        if conf.get("use_dynamic_shifting", None):
+        seq_len = None
+        if self.pipe.scheduler.config.get("use_dynamic_shifting", None):
             h, w = self.latent_size(height, width)
             seq_len = (h // self.patch_size) * (w // self.patch_size)
-            kwargs["mu"] = calculate_shift(
-                seq_len,
-                conf.get("base_image_seq_len", 256),
-                conf.get("max_image_seq_len", 4096),
-                conf.get("base_shift", 0.5),
-                conf.get("max_shift", 1.16),
-            )
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
-        return Schedule(scheduler.sigmas.float(), timesteps.float())
+        return self.shifted_schedule(num_steps, image_seq_len=seq_len, max_shift=1.16)
 
     def prepare_latents(
         self,

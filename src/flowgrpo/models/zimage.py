@@ -24,11 +24,11 @@ Mirrors ``ZImagePipeline.__call__`` of diffusers 0.42.1 piece by piece:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from flowgrpo.models.base import (
     DiffusionAdapter,
@@ -41,6 +41,100 @@ from flowgrpo.models.base import (
     planner_vae,
     vae_scale,
 )
+from flowgrpo.models.parallel import SequenceParallelSpec
+
+#: the transformer pads every image and caption to a multiple of this many tokens
+#: (diffusers' ``transformer_z_image.SEQ_MULTI_OF``)
+Z_IMAGE_SEQ_MULTIPLE = 32
+
+
+# -- sequence parallelism: a cp plan for the main layers, local refiners -----------------------
+def _local_attn_processor() -> Any:
+    """A ``ZSingleStreamAttnProcessor`` that attends over the tokens it is given, whatever
+    parallel config ``enable_parallelism`` records on it (see ``ZImageSequenceParallel``)."""
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+    class ZImageLocalAttnProcessor(ZSingleStreamAttnProcessor):
+        """For the refiner blocks, which run before the split on every rank's full tokens:
+        the stock computation with ``parallel_config=None``."""
+
+        def __call__(  # the stock signature: Attention passes only the keywords it names
+            self,
+            attn: Any,
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None,
+            freqs_cis: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            config, self._parallel_config = self._parallel_config, None
+            try:
+                return super().__call__(
+                    attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis
+                )
+            finally:
+                self._parallel_config = config
+
+    return ZImageLocalAttnProcessor()
+
+
+class ZImageSequenceParallel(SequenceParallelSpec):
+    """Z-Image under Ulysses SP. ``ZImageTransformer2DModel`` (no ``_cp_plan`` in diffusers
+    0.42.1) takes lists (one [C, 1, h, w] latent and one caption per sample), patchifies, runs
+    the noise refiner on the image tokens and the context refiner on the caption tokens, each
+    padded to a multiple of 32 with its pad token, then the main layers on the unified
+    [image, caption] sequence of each sample, batch-padded with a key mask [B, S].
+
+    The plan splits the unified sequence where it enters the main layers (``layers.0``: its
+    ``x``), each main layer's per-token RoPE ``freqs_cis`` [B, S, D/2] alike, and gathers the
+    final layer's output before the unpatchify. The key mask stays whole: diffusers' Ulysses
+    attention uses a full-length mask as is. Every length is a multiple of 32, so the split
+    divides for any sp_degree dividing 32 and text is never padded. The refiners (2 of 34
+    blocks in Z-Image) run unsplit on every rank (``ZImageLocalAttnProcessor``): their outputs
+    feed the unified sequence, which no module of the model outputs, so there is no point to
+    gather them at. The main layers keep diffusers' own processor (it calls
+    ``dispatch_attention_fn``). Omni mode (SigLIP, several images) is refused."""
+
+    name = "z_image"
+    transformer_class = "ZImageTransformer2DModel"
+    image_kwarg = "x"
+    text_kwarg = "cap_feats"
+    timestep_kwarg = "t"
+    image_token_rule = "latent h/2 x w/2, padded to a multiple of 32"
+
+    def cp_plan(self, transformer: nn.Module) -> dict[str, Any]:
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        if getattr(transformer, "siglip_embedder", None) is not None:
+            raise ValueError("Z-Image Omni (SigLIP inputs) has no sequence-parallel plan here")
+        split = ContextParallelInput(split_dim=1, expected_dims=3)
+        plan: dict[str, Any] = {"layers.0": {"x": split}, "layers.*": {"freqs_cis": split}}
+        for key in transformer.all_final_layer:
+            plan[f"all_final_layer.{key}"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
+        return plan
+
+    def processor_for(self, name: str, module: nn.Module) -> Any | None:
+        """The refiners' attention: local; the main layers': diffusers' (kept)."""
+        if name.startswith(("noise_refiner.", "context_refiner.")):
+            return _local_attn_processor()
+        return None
+
+    def image_tokens(self, transformer: nn.Module, hidden_states: Any) -> int:
+        """Image tokens of the list of [C, F, H, W] latents, as padded to a multiple of 32."""
+        if not isinstance(hidden_states, (list, tuple)) or isinstance(hidden_states[0], list):
+            raise ValueError("Z-Image under SP takes a list of [C, F, H, W] latents (no Omni)")
+        p, pf = transformer.all_patch_size[0], transformer.all_f_patch_size[0]
+        _, f, h, w = hidden_states[0].shape
+        m = Z_IMAGE_SEQ_MULTIPLE
+        return -(-((f // pf) * (h // p) * (w // p)) // m) * m
+
+    def text_padding(self, transformer: nn.Module, kwargs: dict[str, Any], sp: int) -> int:
+        """None: the transformer pads each caption to a multiple of 32 itself."""
+        if Z_IMAGE_SEQ_MULTIPLE % sp:
+            raise ValueError(
+                f"Z-Image pads images and captions to multiples of {Z_IMAGE_SEQ_MULTIPLE} tokens: "
+                f"sp_degree must divide {Z_IMAGE_SEQ_MULTIPLE}, got {sp}"
+            )
+        return 0
 
 
 class ZImageAdapter(DiffusionAdapter):
@@ -62,6 +156,7 @@ class ZImageAdapter(DiffusionAdapter):
         "feed_forward.w3",
     )
     batch_cfg = True
+    sequence_parallel = ZImageSequenceParallel()
     default_negative_prompt = ""  # the pipeline's when none is given
 
     def __init__(
@@ -149,28 +244,14 @@ class ZImageAdapter(DiffusionAdapter):
 
     def schedule(self, num_steps: int, height: int, width: int) -> Schedule:
         """sigmas [N+1] (final 0 included) and timesteps [N], exactly as the pipeline."""
-        from diffusers.pipelines.z_image.pipeline_z_image import (
-            calculate_shift,
-            get_default_z_image_sigmas,
-            retrieve_timesteps,
-        )
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self._check_size(height, width)
         lh, lw = self._latent_hw(height, width)
-        scheduler = copy.deepcopy(self.pipe.scheduler)  # leave the pipeline's state alone
-        cfg = scheduler.config
-        mu = calculate_shift(
-            (lh // 2) * (lw // 2),
-            cfg.get("base_image_seq_len", 256),
-            cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5),
-            cfg.get("max_shift", 1.15),
-        )
         sigmas = get_default_z_image_sigmas(num_steps)
-        timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-        return Schedule(scheduler.sigmas.float().cpu(), timesteps.float().cpu())
+        return self.shifted_schedule(num_steps, sigmas, image_seq_len=(lh // 2) * (lw // 2))
 
     def prepare_latents(
         self,
@@ -220,7 +301,7 @@ class ZImageAdapter(DiffusionAdapter):
         else:
             caps = [text[i][embeds.mask[i].bool()] for i in range(batch)]
         t = self._reversed_time(sigma.to(latents.device))
-        out = transformer(x, t, caps, return_dict=False)[0]
+        out = transformer(x=x, t=t, cap_feats=caps, return_dict=False)[0]
         return -torch.stack(out, dim=0).squeeze(2)
 
     def guidance_at(self, guidance_scale: float, sigma: torch.Tensor) -> float | torch.Tensor:
