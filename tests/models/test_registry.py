@@ -157,6 +157,7 @@ def test_family_options_are_model_settings_and_come_from_the_adapters():
         "guidance_scale_2",
         "cfg_normalization",
         "cfg_truncation",
+        "source_size",
     }
     assert adapter_options(FluxPipeline) == {"true_cfg_scale", "max_sequence_length"}
     assert adapter_options(StableDiffusion3Pipeline) == {"max_sequence_length"}
