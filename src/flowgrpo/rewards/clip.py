@@ -62,6 +62,22 @@ def preprocess_images(
     return (x - mean) / std
 
 
+def check_model_options(
+    name: str, path: str | None, processor_path: str | None, dtype: str, what: str
+) -> None:
+    """One line naming reward ``name`` when ``path`` is missing, a path is not a local
+    directory, or ``dtype`` is not a known one (before any model is loaded)."""
+    if not path:
+        raise ValueError(f"reward {name!r} needs option 'path': {what}")
+    for opt, p in (("path", path), ("processor_path", processor_path)):
+        if p is not None and not Path(p).is_dir():
+            raise FileNotFoundError(
+                f"reward {name!r}: {opt}={str(p)!r} is not an existing local directory"
+            )
+    if dtype not in _DTYPES:
+        raise ValueError(f"reward {name!r}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
 class _ClipReward:
     """Shared loader/scorer; subclasses set ``reward_name`` and ``divisor``."""
 
@@ -77,18 +93,9 @@ class _ClipReward:
         batch_size: int = 32,
         divisor: float | None = None,
     ) -> None:
-        name = self.reward_name
-        if not path:
-            raise ValueError(f"reward {name!r} needs option 'path': a local CLIPModel directory")
-        for opt, p in (("path", path), ("processor_path", processor_path)):
-            if p is not None and not Path(p).is_dir():
-                raise FileNotFoundError(
-                    f"reward {name!r}: {opt}={str(p)!r} is not an existing local directory"
-                )
-        if dtype not in _DTYPES:
-            raise ValueError(
-                f"reward {name!r}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"
-            )
+        check_model_options(
+            self.reward_name, path, processor_path, dtype, "a local CLIPModel directory"
+        )
         from transformers import AutoTokenizer, CLIPModel
 
         proc_dir = Path(processor_path or path)

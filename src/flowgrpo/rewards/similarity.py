@@ -25,7 +25,12 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.rewards.clip import _DTYPES, image_transform, preprocess_images
+from flowgrpo.rewards.clip import (
+    _DTYPES,
+    check_model_options,
+    image_transform,
+    preprocess_images,
+)
 
 
 class ImageSimilarity:
@@ -44,20 +49,14 @@ class ImageSimilarity:
         source: str | int = "mean",
     ) -> None:
         name = self.reward_name
-        if not path:
-            raise ValueError(
-                f"reward {name!r} needs option 'path': a local CLIP model directory "
-                "(the counting_edit runs use openai/clip-vit-large-patch14)"
-            )
-        for opt, p in (("path", path), ("processor_path", processor_path)):
-            if p is not None and not Path(p).is_dir():
-                raise FileNotFoundError(
-                    f"reward {name!r}: {opt}={str(p)!r} is not an existing local directory"
-                )
-        if dtype not in _DTYPES:
-            raise ValueError(
-                f"reward {name!r}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"
-            )
+        check_model_options(
+            name,
+            path,
+            processor_path,
+            dtype,
+            "a local CLIP model directory (the counting_edit runs use "
+            "openai/clip-vit-large-patch14)",
+        )
         if source != "mean" and (isinstance(source, bool) or not isinstance(source, int)):
             raise ValueError(
                 f"reward {name!r}: source must be 'mean' or a source index (0, 1, ...), "
