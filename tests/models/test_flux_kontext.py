@@ -122,3 +122,30 @@ def test_the_preset_loads_with_flow_grpos_values(tmp_path):
         0.0,
         True,
     )
+
+
+@pytest.mark.parametrize("kind", ["flux_kontext", "qwen_image_edit", "qwen_image_edit_plus"])
+def test_sources_are_encoded_once_for_both_guidance_branches(kind):
+    """``encode`` with CFG on encodes the batch's sources once (``encode_sources``) and both
+    branches carry exactly those latents; a text-to-image family has no sources to encode."""
+    fam = C.family(kind)
+    adapter = fam.adapter(fam.pipeline(), cfg=True)
+    prompts = list(fam.prompts[:2])
+    calls = []
+    encode_sources = adapter.encode_sources
+
+    def counted(images):
+        calls.append(len(images))
+        return encode_sources(images)
+
+    adapter.encode_sources = counted
+    scale = 4.5 if kind == "flux_kontext" else 4.0
+    if kind == "flux_kontext":
+        adapter = type(adapter)(adapter.pipe, **fam.options, true_cfg_scale=4.0)
+        adapter.encode_sources = counted
+    assert adapter.uses_cfg(scale)
+    pos, neg = adapter.encode(prompts, guidance_scale=scale, images=fam.source_images(prompts))
+    assert calls == [2]
+    assert neg is not None and torch.equal(pos.image_latents, neg.image_latents)
+    with pytest.raises(NotImplementedError, match="not an editing family"):
+        C.family("flux").adapter(C.family("flux").pipeline()).encode_sources(None)

@@ -210,7 +210,8 @@ class DiffusionAdapter(ABC):
     #: trainer drops the warning when nothing but blanks was cut: ``trainer/quiet.py``)
     truncation_loggers: tuple[str, ...] = ()
     #: an editing family: every prompt comes with source images (``encode(images=...)``),
-    #: which ``encode_prompts(prompts, images)`` turns into conditioning (``PromptEmbeds``'s
+    #: which ``encode_sources(images)`` encodes once per ``encode`` and
+    #: ``encode_prompts(prompts, images, sources=)`` turns into conditioning (``PromptEmbeds``'s
     #: ``image_latents``); a text-to-image family takes none
     edits: bool = False
 
@@ -395,6 +396,11 @@ class DiffusionAdapter(ABC):
                         f"{getattr(im, 'shape', type(im).__name__)}"
                     )
 
+    def encode_sources(self, images: list[list[torch.Tensor]] | None) -> Any:
+        """An editing family's source images encoded (VAE latents, ...) for ``encode_prompts``'s
+        ``sources``: once per ``encode``, shared by both guidance branches."""
+        raise NotImplementedError(f"{type(self).__name__} is not an editing family")
+
     def encode(
         self,
         prompts: list[str],
@@ -409,8 +415,9 @@ class DiffusionAdapter(ABC):
         An editing family (``edits``) takes each prompt's source ``images`` and encodes them
         with both (never cached: the embeddings depend on the image)."""
         self.check_images(images, len(prompts))
-        if self.edits:
-            encode = lambda texts: self.encode_prompts(texts, images)  # noqa: E731
+        if self.edits:  # the sources encoded once, for both guidance branches
+            sources = self.encode_sources(images)
+            encode = lambda texts: self.encode_prompts(texts, images, sources=sources)  # noqa: E731
         elif self.prompt_cache is None:
             encode = self.encode_prompts
         else:

@@ -70,7 +70,6 @@ class FluxKontextAdapter(FluxAdapter):
                 f"{m // 2} x 2x2 packing), got {source_size}"
             )
         self.source_size_px = source_size
-        self._source: tuple[torch.Tensor, tuple] | None = None
 
     @classmethod
     def token_counts(
@@ -139,33 +138,17 @@ class FluxKontextAdapter(FluxAdapter):
         return ids
 
     # -- conditioning -------------------------------------------------------------------------
-    def encode(
-        self,
-        prompts: list[str],
-        negative_prompts: list[str] | None = None,
-        *,
-        guidance_scale: float = 1.0,
-        images: list[list[torch.Tensor]] | None = None,
-    ) -> tuple[PromptEmbeds, PromptEmbeds | None]:
-        """As ``DiffusionAdapter.encode``; the source images are encoded once for both
-        guidance branches."""
-        self.check_images(images, len(prompts))
-        self._source = self.encode_sources(images)
-        try:
-            return super().encode(
-                prompts, negative_prompts, guidance_scale=guidance_scale, images=images
-            )
-        finally:
-            self._source = None
-
     @torch.no_grad()
     def encode_prompts(
-        self, prompts: list[str], images: list[list[torch.Tensor]] | None = None
+        self,
+        prompts: list[str],
+        images: list[list[torch.Tensor]] | None = None,
+        sources: tuple[torch.Tensor, tuple] | None = None,
     ) -> PromptEmbeds:
         """FLUX's text embeddings with the source images' packed latents [B, S, 4C] and their
-        packed grid (``image_shapes``)."""
+        packed grid (``image_shapes``); ``sources``: ``encode_sources(images)`` already done."""
         self.check_images(images, len(prompts))
-        latents, grid = self._source if self._source is not None else self.encode_sources(images)
+        latents, grid = sources if sources is not None else self.encode_sources(images)
         text = super().encode_prompts(prompts)
         return PromptEmbeds(text.embeds, None, text.pooled, latents.to(self.device), grid)
 

@@ -78,7 +78,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def __init__(self, pipe: Any):
         super().__init__(pipe, max_sequence_length=1024)
-        self._memo: dict[int, Any] | None = None
 
     @classmethod
     def load_components(cls, root: Any) -> dict[str, Any]:
@@ -145,47 +144,26 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return embeds, mask
 
     @torch.no_grad()
-    def _conditioning(self, images: list[list[torch.Tensor]]) -> tuple[list, torch.Tensor, tuple]:
-        """(VL views, packed source latents [B, S, 4C], img_shapes), once per ``encode``."""
-        key = id(images)
-        if self._memo is not None and key in self._memo:
-            return self._memo[key]
+    def encode_sources(self, images: list[list[torch.Tensor]]) -> tuple[list, torch.Tensor, tuple]:
+        """(VL views, packed source latents [B, S, 4C], img_shapes) of each prompt's sources."""
         self._check_rows(images)
         rows = [[to_pil(im) for im in r] for r in images]
         views, vae_in, shapes = self._sources(rows)
-        out = (views, self._image_latents(vae_in), shapes)
-        if self._memo is not None:
-            self._memo[key] = out
-        return out
-
-    def encode(
-        self,
-        prompts: list[str],
-        negative_prompts: list[str] | None = None,
-        *,
-        guidance_scale: float = 1.0,
-        images: list[list[torch.Tensor]] | None = None,
-    ) -> tuple[PromptEmbeds, PromptEmbeds | None]:
-        """As ``DiffusionAdapter.encode``; the source images are encoded once for both
-        guidance branches."""
-        self._memo = {}
-        try:
-            return super().encode(
-                prompts, negative_prompts, guidance_scale=guidance_scale, images=images
-            )
-        finally:
-            self._memo = None
+        return views, self._image_latents(vae_in), shapes
 
     @torch.no_grad()
     def encode_prompts(
-        self, prompts: list[str], images: list[list[torch.Tensor]] | None = None
+        self,
+        prompts: list[str],
+        images: list[list[torch.Tensor]] | None = None,
+        sources: tuple[list, torch.Tensor, tuple] | None = None,
     ) -> PromptEmbeds:
         """Qwen2.5-VL's view of image + prompt -> embeds [B, L, D], mask [B, L]; with the
         source images' packed VAE latents [B, S, 4C] and their ``img_shapes``."""
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
         self.check_images(images, len(prompts))
-        views, latents, shapes = self._conditioning(images)
+        views, latents, shapes = sources if sources is not None else self.encode_sources(images)
         embeds, mask = self._text(list(prompts), views)
         if mask is None:  # the pipeline drops an all-ones mask; keep it so batches can be padded
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
