@@ -346,14 +346,7 @@ class AWM(Algorithm):
     ) -> dict[str, float]:
         """Optimizer steps on this rank's samples, each term one (sample, noise level) pair;
         then the EMA policy moves toward the new one."""
-        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
-        if adv.numel() != len(trajectory) or len(sample_seeds) != len(trajectory):
-            raise ValueError(
-                f"got {adv.numel()} advantages and {len(sample_seeds)} seeds for "
-                f"{len(trajectory)} samples"
-            )
-        adv = adv.to(trajectory.latents.device)
-        seeds = torch.as_tensor(list(sample_seeds), dtype=torch.long)
+        adv, seeds = self.per_sample_inputs(trajectory, advantages, sample_seeds)
         levels = self.noise_levels(seeds, self.cfg.sample.num_steps, trajectory.num_train_steps)
         old = None
         if self.cfg.update.num_minibatches > 1:  # later steps see the sampling policy's log p

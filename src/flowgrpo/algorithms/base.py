@@ -146,6 +146,21 @@ class Algorithm(ABC):
         """Train on this rank's rollout (``advantages`` [B], the samples' noise seeds) and
         return global metrics."""
 
+    @staticmethod
+    def per_sample_inputs(
+        trajectory: Trajectory, advantages: torch.Tensor, sample_seeds: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update``'s advantages [B] (fp32, on the trajectory's device) and sample seeds [B]
+        (long), one line when either count differs from the trajectory's samples."""
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+        if adv.numel() != len(trajectory) or len(sample_seeds) != len(trajectory):
+            raise ValueError(
+                f"got {adv.numel()} advantages and {len(sample_seeds)} seeds for "
+                f"{len(trajectory)} samples"
+            )
+        seeds = torch.as_tensor(list(sample_seeds), dtype=torch.long)
+        return adv.to(trajectory.latents.device), seeds
+
     # -- the loop every algorithm here shares ---------------------------------------------------
     def update_loop(
         self,

@@ -319,14 +319,8 @@ class DiffusionNFT(Algorithm):
     ) -> dict[str, float]:
         """Optimizer steps on this rank's samples, each term one (sample, schedule sigma) pair;
         then the old policy moves toward the new one."""
-        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
-        if adv.numel() != len(trajectory) or len(sample_seeds) != len(trajectory):
-            raise ValueError(
-                f"got {adv.numel()} advantages and {len(sample_seeds)} seeds for "
-                f"{len(trajectory)} samples"
-            )
-        r = optimality_probability(adv, self.settings.adv_clip_max).to(trajectory.latents.device)
-        seeds = torch.as_tensor(list(sample_seeds), dtype=torch.long)
+        adv, seeds = self.per_sample_inputs(trajectory, advantages, sample_seeds)
+        r = optimality_probability(adv, self.settings.adv_clip_max)
         levels = self.noise_levels(seeds, trajectory.num_train_steps)  # [B, n]
 
         def micro_loss(sub, index, scale, k):
