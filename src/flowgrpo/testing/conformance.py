@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,18 @@ def _load_transformer_lora(pipe: Any, folder: Path) -> None:
 
 
 # One line per family: adding a family to the package adds its line here.
+_QWEN_IMAGE_EDIT = Family(
+    "qwen_image_edit",
+    ((128, 192), (192, 128)),
+    size=(64, 128),
+    negative=" ",
+    guidance_arg="true_cfg_scale",
+    bf16_split_atol=1e-3,  # the re-padded text holds the image's tokens: measured 5.8e-4
+    train_size=(64, 64),
+    sources=_one_source,
+    stock_batch=False,
+)
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         "toy",
@@ -304,28 +316,8 @@ FAMILIES: tuple[Family, ...] = (
         load_lora=_load_transformer_lora,
         stock_guidance=_guider_scale,
     ),
-    Family(
-        "qwen_image_edit",
-        ((128, 192), (192, 128)),
-        size=(64, 128),
-        negative=" ",
-        guidance_arg="true_cfg_scale",
-        bf16_split_atol=1e-3,  # the re-padded text holds the image's tokens: measured 5.8e-4
-        train_size=(64, 64),
-        sources=_one_source,
-        stock_batch=False,
-    ),
-    Family(
-        "qwen_image_edit_plus",
-        ((128, 192), (192, 128)),
-        size=(64, 128),
-        negative=" ",
-        guidance_arg="true_cfg_scale",
-        bf16_split_atol=1e-3,  # the re-padded text holds the image's tokens: measured 5.8e-4
-        train_size=(64, 64),
-        sources=_two_sources,
-        stock_batch=False,
-    ),
+    _QWEN_IMAGE_EDIT,
+    replace(_QWEN_IMAGE_EDIT, kind="qwen_image_edit_plus", sources=_two_sources),  # two sources
     Family(  # both sizes of one area: the stock call's max_area keeps them as given
         "flux_kontext",
         ((128, 192), (192, 128)),
