@@ -408,6 +408,39 @@ def _kl_vae(shift: float, scale: float):
     )
 
 
+def _qwen25_vl_text_config(tok: Any, hidden: int, vocab_size: int) -> dict[str, Any]:
+    """A 2-layer, 2-head Qwen2.5-VL language model of width ``hidden`` for ``tok``."""
+    half = hidden // 4  # head_dim / 2 with 2 heads; M-RoPE sections (t, h, w) must sum to it
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "rope_scaling": {"mrope_section": mrope, "rope_type": "default"},
+        "rope_theta": 1000000.0,
+        "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tok.pad_token_id,
+    }
+
+
+def _qwen25_vl_vision_config(hidden: int, **extra: Any) -> dict[str, Any]:
+    """A one-block vision tower projecting to ``hidden``; ``extra``: its patch/window sizes."""
+    return {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_heads": 2,
+        "out_hidden_size": hidden,
+        "fullatt_block_indexes": [0],
+        **extra,
+    }
+
+
 def _build_qwen_image(tcfg: dict[str, Any], seeds) -> Any:
     from diffusers import (
         AutoencoderKLQwenImage,
@@ -419,32 +452,11 @@ def _build_qwen_image(tcfg: dict[str, Any], seeds) -> Any:
 
     tok = _qwen_tokenizer()
     hidden = tcfg["joint_attention_dim"]
-    half = hidden // 4  # head_dim / 2 with 2 heads; M-RoPE sections (t, h, w) must sum to it
-    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
     torch.manual_seed(next(seeds))
     text_cfg = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok) + 4,  # + 4 vision placeholder ids the tokenizer never emits
-            "hidden_size": hidden,
-            "intermediate_size": 2 * hidden,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 2048,
-            "rope_scaling": {"mrope_section": mrope, "rope_type": "default"},
-            "rope_theta": 1000000.0,
-            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
-            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
-            "pad_token_id": tok.pad_token_id,
-        },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": hidden,
-            "fullatt_block_indexes": [0],
-        },
+        # + 4 vision placeholder ids the tokenizer never emits
+        text_config=_qwen25_vl_text_config(tok, hidden, vocab_size=len(tok) + 4),
+        vision_config=_qwen25_vl_vision_config(hidden),
         image_token_id=len(tok),
         video_token_id=len(tok) + 1,
         vision_start_token_id=len(tok) + 2,
@@ -1098,36 +1110,12 @@ def _build_qwen_image_edit(tcfg: dict[str, Any], seeds, plus: bool = False) -> A
     tok.add_tokens(vision, special_tokens=True)
     ids = {t: tok.convert_tokens_to_ids(t) for t in vision}
     hidden = tcfg["joint_attention_dim"]
-    half = hidden // 4
-    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
     torch.manual_seed(next(seeds))
     text_cfg = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok),
-            "hidden_size": hidden,
-            "intermediate_size": 2 * hidden,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 2048,
-            "rope_scaling": {"mrope_section": mrope, "rope_type": "default"},
-            "rope_theta": 1000000.0,
-            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
-            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
-            "pad_token_id": tok.pad_token_id,
-        },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": hidden,
-            "fullatt_block_indexes": [0],
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 56,
-        },
+        text_config=_qwen25_vl_text_config(tok, hidden, vocab_size=len(tok)),
+        vision_config=_qwen25_vl_vision_config(
+            hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56
+        ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
