@@ -7,6 +7,7 @@ training step."""
 
 from __future__ import annotations
 
+import gc
 import math
 import traceback
 from pathlib import Path
@@ -165,11 +166,15 @@ def measure_construction(path: Path, *, empty: bool) -> dict[str, int]:
     from flowgrpo.engine.parallelize import transformer_blocks
     from flowgrpo.models.registry import build_adapter, load_pipeline
 
+    # each region starts after a collection: an earlier run's engine (FSDP modules hold
+    # reference cycles) freed by the GC inside a region would count as negative bytes there
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         diffusers.StableDiffusion3Pipeline.from_pretrained(
             path, transformer=None, dtype=torch.bfloat16
         )
     without_transformer = _peak_bytes(prof)
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         pipe = load_pipeline(path, torch_dtype=torch.bfloat16, empty_trained=empty)
     load_peak = _peak_bytes(prof)
@@ -179,6 +184,7 @@ def measure_construction(path: Path, *, empty: bool) -> dict[str, int]:
     block = max(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(model))
     cfg = EngineConfig()
     cfg.lora.enabled, cfg.ema.enabled = False, True
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         engine = DiffusersFSDPEngine(adapter, cfg, reference=True)
     state = list(engine.model.parameters()) + list(engine._ref_model.parameters())
