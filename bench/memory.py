@@ -20,7 +20,12 @@ The same run with a ONE-block transformer gives the fixed part (libraries, froze
 encoders and VAE, one block gathered, its activations); ``over_floor`` = (peak - one-block
 peak) / the sharded floor of the blocks' difference in parameters: 18 bytes/param/ranks for a
 full fine-tune with KL (fp32 master 4 + fp32 grad 4 + Adam moments 8 + bf16 reference 2),
-2 bytes/param/ranks for LoRA (the bf16 base weights). Target: <= 1.2. ``lora_state_mb`` is
+2 bytes/param/ranks for LoRA (the bf16 base weights). Target: <= 1.2. The allocator's peak
+per phase (``alloc_<phase>_mb``) gives ``alloc_over_floor_same_phase``: the deep run's peak
+minus the one-block run's peak in the SAME phase (the two runs' peaks can fall in different
+phases). The profiler sees allocations on the threads it follows only: a collective's own
+buffers on gloo's worker threads are in RSS, not in the allocator's figures (on a GPU, NCCL
+writes into FSDP's buffers). ``lora_state_mb`` is
 what the floor leaves out for LoRA: its fp32 master, grad and two Adam moments (16 bytes per
 LoRA parameter / ranks) of the extra blocks.
 """
@@ -32,7 +37,7 @@ import json
 import os
 import sys
 import tempfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -81,10 +86,34 @@ def _reset_hwm() -> None:
         pass  # not Linux: ru_maxrss, from process start
 
 
+def _alloc_phase_peaks_mb(prof, names: tuple[str, ...]) -> dict[str, float]:
+    """The allocator's peak within each ``bench.memory.<name>`` range of the profile, MiB: the
+    running sum of every allocation (+) and free (-) record from the start of the run, its
+    maximum inside the range. Allocations on threads the profiler does not follow (gloo's
+    workers: its collectives' own buffers on a CPU) are not in the records."""
+    events = list(prof.profiler.kineto_results.events())
+    ranges = {
+        e.name()[len("bench.memory.") :]: (e.start_ns(), e.end_ns())
+        for e in events
+        if e.name().startswith("bench.memory.")
+    }
+    records = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    peaks = dict.fromkeys(names, 0.0)
+    live = 0
+    for t, nbytes in records:
+        live += nbytes
+        for name in names:
+            start, end = ranges[name]
+            if start <= t <= end:
+                peaks[name] = max(peaks[name], live / 2**20)
+    return peaks
+
+
 def _run_one(spec: dict, profile_alloc: bool) -> dict:
     """Load, build the engine, train one step; returns the peaks of this rank: the RSS peak
-    and its peak per phase, or (``profile_alloc``) the allocator's peak alone."""
-    from torch.profiler import ProfilerActivity, profile
+    and its peak per phase, or (``profile_alloc``) the allocator's peak and its peak per
+    phase."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from bench.sp import peak_allocated_mb
     from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig
@@ -92,7 +121,10 @@ def _run_one(spec: dict, profile_alloc: bool) -> dict:
 
     phases: dict[str, float] = {}
 
-    def phase(name: str) -> None:  # the peak since the last phase, then a fresh count
+    @contextmanager
+    def stage(name: str):  # a phase: its RSS peak, and its range in the profiled run
+        with record_function(f"bench.memory.{name}") if profile_alloc else nullcontext():
+            yield
         phases[name] = _hwm_mb()
         _reset_hwm()
 
@@ -104,32 +136,34 @@ def _run_one(spec: dict, profile_alloc: bool) -> dict:
         else nullcontext()
     )
     with watch as prof:
-        pipe = load_pipeline(
-            spec["path"], torch_dtype=torch.bfloat16, empty_trained=spec["sharded"]
-        )
-        phase("load")
-        adapter = build_adapter(pipe)
-        cfg = EngineConfig(seed=0)
-        cfg.lora.enabled, cfg.lora.rank = spec["case"] == "lora", LORA_RANK
-        for key, value in RUN_FSDP.items():
-            setattr(cfg.fsdp, key, value)
-        engine = DiffusersFSDPEngine(adapter, cfg, reference=spec["case"] == "full")
-        phase("engine")
-        pos, _ = adapter.encode(["a red cube on a table"], guidance_scale=1.0)
-        latents = adapter.prepare_latents(1, 32, 32, torch.Generator().manual_seed(0))
-        sigma = torch.tensor([0.7])
-        kw = dict(guidance_scale=1.0, height=32, width=32)
-        with torch.no_grad(), engine.reference_transformer() as ref:
-            v_ref = adapter.velocity(ref, latents, sigma, pos, **kw)
-        phase("reference_forward")
-        v = adapter.velocity(engine.transformer, latents, sigma, pos, **kw)
-        phase("forward")
-        engine.backward((v - v_ref).square().mean() + v.mean(), last=True)
-        phase("backward")
-        engine.optimizer_step()
-        phase("optimizer_step")
+        with stage("load"):
+            pipe = load_pipeline(
+                spec["path"], torch_dtype=torch.bfloat16, empty_trained=spec["sharded"]
+            )
+        with stage("engine"):
+            adapter = build_adapter(pipe)
+            cfg = EngineConfig(seed=0)
+            cfg.lora.enabled, cfg.lora.rank = spec["case"] == "lora", LORA_RANK
+            for key, value in RUN_FSDP.items():
+                setattr(cfg.fsdp, key, value)
+            engine = DiffusersFSDPEngine(adapter, cfg, reference=spec["case"] == "full")
+        with stage("reference_forward"):
+            pos, _ = adapter.encode(["a red cube on a table"], guidance_scale=1.0)
+            latents = adapter.prepare_latents(1, 32, 32, torch.Generator().manual_seed(0))
+            sigma = torch.tensor([0.7])
+            kw = dict(guidance_scale=1.0, height=32, width=32)
+            with torch.no_grad(), engine.reference_transformer() as ref:
+                v_ref = adapter.velocity(ref, latents, sigma, pos, **kw)
+        with stage("forward"):
+            v = adapter.velocity(engine.transformer, latents, sigma, pos, **kw)
+        with stage("backward"):
+            engine.backward((v - v_ref).square().mean() + v.mean(), last=True)
+        with stage("optimizer_step"):
+            engine.optimizer_step()
     if profile_alloc:
         row = {"alloc_peak_mb": peak_allocated_mb(prof)}
+        by_phase = _alloc_phase_peaks_mb(prof, PHASES)
+        row.update({f"alloc_{name}_mb": by_phase[name] for name in PHASES})
     else:
         row = {"rss_peak_mb": max(phases.values()), "rss_file_mb": _status_mb("RssFile")}
         row.update({f"rss_{name}_mb": phases[name] for name in PHASES})
@@ -204,6 +238,16 @@ def _save(folder: Path, num_layers: int) -> tuple[int, int]:
     return count, lora
 
 
+def _same_phase_over(big: dict, small: dict, floor_mb: float) -> tuple[str, float]:
+    """(the phase of the deep run's allocator peak, (its peak there - the one-block run's peak
+    in the same phase) / floor): the peaks of the two runs need not fall in the same phase (a
+    one-block run peaks while the text is encoded, a deep one in backward), and then
+    ``alloc_over_floor``, peak minus peak, subtracts a fixed cost the deep run's peak does not
+    hold."""
+    at = max(PHASES, key=lambda name: big[f"alloc_{name}_mb"])
+    return at, (big[f"alloc_{at}_mb"] - small[f"alloc_{at}_mb"]) / floor_mb
+
+
 def bench_memory(
     *, quick: bool = False, layers: dict[str, int] | None = None, paths: tuple = ("sharded",)
 ) -> dict:
@@ -256,5 +300,8 @@ def bench_memory(
                         row[f"{path}_alloc_over_floor"] = (
                             big["alloc_peak_mb"] - small["alloc_peak_mb"]
                         ) / floor_mb
+                        at, over = _same_phase_over(big, small, floor_mb)
+                        row[f"{path}_alloc_peak_phase"] = at
+                        row[f"{path}_alloc_over_floor_same_phase"] = over
                 out[f"{case}_{world}rank"] = row
     return out

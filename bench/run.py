@@ -36,6 +36,7 @@ TARGETS = {
     "sp2_peak_over_sp1": ("<=", 0.6),
     "sharded_over_floor": ("<=", 1.2),  # resident memory (host: Python objects count)
     "sharded_alloc_over_floor": ("<=", 1.2),  # torch allocator (what a GPU's device peak is)
+    "sharded_alloc_over_floor_same_phase": ("<=", 1.2),  # both runs' allocator, one phase
     # the fastest algorithm on the toy (median of 3 seeds) against Flow-GRPO's
     "time_to_target_over_flow_grpo": ("<=", 0.2),
     "diversity_at_target_over_flow_grpo": (">=", 1.0),
