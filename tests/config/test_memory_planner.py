@@ -5,6 +5,7 @@ ranks; a small SD3 on the CPU), and bad input is a one-line error."""
 from __future__ import annotations
 
 import json
+import math
 
 import memory_ranks as MR
 import pytest
@@ -87,6 +88,8 @@ def test_shipped_configs_build_on_meta(name):
         "hunyuan-video-1.5-480p-t2v": 8.3,  # the card's 8.3B
         "hunyuan-video-1.5-720p-t2v": 8.3,
         "flux.1-kontext-dev": 11.9,  # the card's 12B: FLUX.1 [dev]'s transformer
+        "qwen-image-edit": 40.9 / 2,  # its 40.9 GB of bf16 transformer shards (20B)
+        "qwen-image-edit-2509": 40.9 / 2,  # likewise (Comfy-Org's 40.9 GB bf16 file)
     }  # FLUX.2-klein: only the cards' rounded 4B / 9B (CARD_SIZES below)
     if name in published:
         assert plan.params["trained"] / 1e9 == pytest.approx(published[name], abs=0.05)
@@ -274,3 +277,45 @@ def test_new_families_param_counts_equal_their_tiny_pipelines(kind, preset, tmp_
     model.add_adapter(LoraConfig(r=cfg.lora.rank, target_modules=targets))
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert plan.params["lora"] == lora > 0
+
+
+def _calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
+    """diffusers' qwenimage ``calculate_dimensions`` (pipeline_qwenimage_edit.py), transcribed:
+    (width, height) of ~``area`` pixels at ``ratio`` = w / h, each rounded to a multiple of 32."""
+    w = math.sqrt(area * ratio)
+    return round(w / 32) * 32, round(w / ratio / 32) * 32
+
+
+@pytest.mark.parametrize(
+    "adapter, vl_area, height, width",
+    [
+        ("QwenImageEditAdapter", 1024 * 1024, 512, 512),  # the preset
+        ("QwenImageEditAdapter", 1024 * 1024, 512, 768),
+        ("QwenImageEditPlusAdapter", 384 * 384, 512, 512),  # CONDITION_IMAGE_SIZE
+        ("QwenImageEditPlusAdapter", 384 * 384, 768, 512),
+    ],
+)
+def test_edit_token_counts_add_the_pipelines_source_tokens(adapter, vl_area, height, width):
+    """Qwen-Image-Edit(-Plus)'s planner counts = the noised tokens plus the source's, sized as
+    the pipelines size them, computed here from their lines: the VAE source at
+    ``calculate_dimensions(1024 * 1024, w / h)`` (VAE 8, packed 2x2, pipeline_qwenimage_edit.py
+    ``prepare_latents`` / ``img_shapes``); the VL view at ``calculate_dimensions(vl_area, w /
+    h)`` (Edit: the same image; Edit-Plus: ``CONDITION_IMAGE_SIZE``), which Qwen2-VL's
+    processor rounds to multiples of 28 (``smart_resize``; the pixel bounds do not bind here)
+    and turns into one token per 2x2 patches of 14 px; the prompt's 512 tokens as Qwen-Image's."""
+    from flowgrpo.models import qwen_image_edit
+
+    cls = getattr(qwen_image_edit, adapter)
+    configs = read_model_configs("known:qwen-image-edit")
+    counts = cls.token_counts(configs, height, width, {})
+    sw, sh = _calculate_dimensions(1024 * 1024, width / height)
+    noised = (height // 16) * (width // 16)
+    assert counts.image == noised + (sh // 16) * (sw // 16)
+    vw, vh = _calculate_dimensions(vl_area, width / height)
+    rh, rw = round(vh / 28) * 28, round(vw / 28) * 28
+    assert 3136 <= rh * rw <= 12845056  # the bounds of Qwen2.5-VL's preprocessor_config
+    vision = (rh // 28) * (rw // 28)  # 28 = patch 14 x merge 2: one token per merged patch
+    assert counts.text == 512 + vision and counts.prompt == (512 + vision, 3584)
+    assert counts.latent == 16 * (height // 8) * (width // 8)
+    if (adapter, height, width) == ("QwenImageEditAdapter", 512, 512):  # the preset, by hand
+        assert (counts.image, counts.text) == (32 * 32 + 64 * 64, 512 + 37 * 37)

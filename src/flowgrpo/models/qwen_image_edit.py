@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowgrpo.models.base import PromptEmbeds, param_dtype
+from flowgrpo.models.base import PromptEmbeds, TokenCounts, param_dtype, planner_vae
 from flowgrpo.models.qwen_image import QwenImageAdapter
 
 
@@ -74,6 +74,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
     edits = True
     #: the pipelines' pixel areas of the VAE's and (Edit-Plus) the VL encoder's views
     vae_area = 1024 * 1024
+    condition_area = vae_area  # Edit: the VL encoder sees the VAE's resized image
+    #: (min_pixels, max_pixels) of the VL processor's resize as the planner assumes them:
+    #: Qwen2.5-VL's published preprocessor_config values (at the pipelines' ~1024² and ~384²
+    #: views neither bound applies: only the rounding to patch x merge pixels does)
+    vl_pixels = (3136, 12845056)
     max_images: int | None = 1
 
     def __init__(self, pipe: Any):
@@ -96,6 +101,32 @@ class QwenImageEditAdapter(QwenImageAdapter):
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         return {"processor": vl_processor(image_processor, tokenizer)}
+
+    @classmethod
+    def token_counts(
+        cls, configs: dict[str, Any], height: int, width: int, options: dict[str, Any]
+    ) -> TokenCounts:
+        """Qwen-Image's counts plus one source image's tokens, which lengthen both streams: its
+        VAE latents packed 2x2 after the noised tokens (the source resized to
+        ``calculate_dimensions(vae_area, w / h)``) and its vision tokens in the prompt
+        embedding (the VL view, ``calculate_dimensions(condition_area, w / h)``, resized by
+        the processor to multiples of patch x merge, one token per merge² patches). The
+        source's aspect ratio is taken as the output's (the pipelines size their default
+        output from the source); Edit-Plus is counted with one source image."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        counts = super().token_counts(configs, height, width, options)
+        f, _ = planner_vae(configs.get("vae", {}))
+        sw, sh, *_ = calculate_dimensions(cls.vae_area, width / height)
+        source = (sh // f // 2) * (sw // f // 2)
+        vision = configs.get("text_encoder", {}).get("vision_config", {})
+        patch, merge = int(vision.get("patch_size", 14)), int(vision.get("spatial_merge_size", 2))
+        vw, vh, *_ = calculate_dimensions(cls.condition_area, width / height)
+        rh, rw = smart_resize(vh, vw, patch * merge, *cls.vl_pixels)
+        text = counts.text + (rh // patch) * (rw // patch) // merge**2
+        prompt = (text, counts.prompt[1])
+        return TokenCounts(counts.image + source, text, counts.latent, prompt, counts.frames)
 
     @staticmethod
     def _dims(area: int, image: Any) -> tuple[int, int]:

@@ -70,6 +70,7 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("qwen-image-21-pickscore", "qwen-image-2.1", []),
     ("hunyuan-video15-pickscore", "hunyuan-video-1.5-480p-t2v", []),
     ("flux-kontext-counting", "flux.1-kontext-dev", []),
+    ("qwen-image-edit-counting", "qwen-image-edit", []),
 ]
 
 
