@@ -89,7 +89,7 @@ def _reset_hwm() -> None:
 def _alloc_phase_peaks_mb(prof, names: tuple[str, ...]) -> dict[str, float]:
     """The allocator's peak within each ``bench.memory.<name>`` range of the profile, MiB: the
     running sum of every allocation (+) and free (-) record from the start of the run, its
-    maximum inside the range. Allocations on threads the profiler does not follow (gloo's
+    maximum over the range (what is live on entering it included). Allocations on threads the profiler does not follow (gloo's
     workers: its collectives' own buffers on a CPU) are not in the records."""
     events = list(prof.profiler.kineto_results.events())
     ranges = {
@@ -98,14 +98,16 @@ def _alloc_phase_peaks_mb(prof, names: tuple[str, ...]) -> dict[str, float]:
         if e.name().startswith("bench.memory.")
     }
     records = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    peaks = dict.fromkeys(names, 0.0)
-    live = 0
-    for t, nbytes in records:
-        live += nbytes
-        for name in names:
-            start, end = ranges[name]
+    peaks = {}
+    for name in names:  # what is live on entering the range, then after each record inside it
+        start, end = ranges[name]
+        live = sum(nbytes for t, nbytes in records if t < start)
+        peak = live
+        for t, nbytes in records:
             if start <= t <= end:
-                peaks[name] = max(peaks[name], live / 2**20)
+                live += nbytes
+                peak = max(peak, live)
+        peaks[name] = peak / 2**20
     return peaks
 
 
