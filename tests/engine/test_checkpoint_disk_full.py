@@ -42,3 +42,46 @@ def test_a_full_disk_names_the_file_and_says_the_disk_is_full(dist1, tiny_traj, 
     assert str(tmp_path / "step_2.tmp" / "engine_state.pt") in msg  # the file
     assert not (tmp_path / "step_2.tmp").exists() and latest_checkpoint(tmp_path) == first
     assert load_checkpoint(tm.engine_for(tm.TinyAdapter(), cfg), tmp_path)[0] == 1
+
+
+def _dcp_zip_writer_failure(*args, **kwargs):
+    """What DCP raised when the disk filled during a real 2-rank `flowgrpo train` (CPU,
+    2026-12-03): torch's zip writer's message, no errno, inside DCP's multi-rank report."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    raise CheckpointException("save", {0: (err, "traceback")})
+
+
+def _disk_with(free_mib: float):
+    import shutil
+
+    real = shutil.disk_usage
+
+    def usage(path):
+        total, used, _ = real(path)
+        return type(real(path))(total, used, int(free_mib * 2**20))
+
+    return usage
+
+
+@pytest.mark.parametrize("free_mib, earlier", [(0.5, True), (0.5, False), (10_000, True)])
+def test_an_errno_less_write_failure_on_a_full_disk_says_so_and_what_is_kept(
+    dist1, tiny_traj, tmp_path, free_mib, earlier
+):
+    cfg = tm.make_config("clip", **{"update.micro_batch_size": 2})
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
+    first = save_checkpoint(engine, tmp_path, 1) if earlier else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ckpt_mod.dcp, "save", _dcp_zip_writer_failure)
+        mp.setattr(ckpt_mod.shutil, "disk_usage", _disk_with(free_mib))
+        with pytest.raises(RunError) as err:
+            save_checkpoint(engine, tmp_path, 2)
+    msg = str(err.value)
+    assert "\n" not in msg and str(tmp_path / "step_2.tmp") in msg and "unexpected pos" in msg
+    assert ("the disk is full (0 MiB free;" in msg) == (free_mib < 64)
+    if earlier:
+        assert "the previous checkpoint step_1 is kept" in msg
+    else:
+        assert f"no earlier checkpoint is in {tmp_path}" in msg and "previous" not in msg
+    assert not (tmp_path / "step_2.tmp").exists() and latest_checkpoint(tmp_path) == first

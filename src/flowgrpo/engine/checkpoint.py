@@ -357,16 +357,47 @@ def save_checkpoint(
                 shutil.rmtree(final)
             tmp.rename(final)
     except (OSError, CheckpointException) as e:
+        why = _first_os_error(e)
+        if not why.startswith(_DISK_FULL) and _nearly_full(tmp):  # the error lost its errno
+            why = f"{_DISK_FULL} ({_free_mib(tmp):.0f} MiB free; {why})"
         if engine.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        kept = latest_checkpoint(root)
         raise RunError(
-            f"cannot write checkpoint {tmp}: {_first_os_error(e)}; the previous checkpoint "
-            "is kept (resume with trainer.resume=auto)"
+            f"cannot write checkpoint {tmp}: {why}; "
+            + (
+                f"the previous checkpoint {kept.name} is kept (resume with trainer.resume=auto)"
+                if kept is not None
+                else f"no earlier checkpoint is in {root}"
+            )
         ) from e
     if engine.dist.is_main:
         _prune(root, keep_last, run_id)
     fdist.barrier()
     return final
+
+
+_DISK_FULL = "the disk is full"
+#: free space under which a failed write is reported as a full disk: DCP writes its items
+#: through torch's zip writer, whose failure ("inline_container.cc ... unexpected pos") carries
+#: no errno, so ENOSPC is only seen as a disk with (almost) nothing left
+_NEARLY_FULL_MIB = 64
+
+
+def _free_mib(path: Path) -> float:
+    """Free space (MiB) for unprivileged writes on ``path``'s filesystem (its nearest existing
+    folder); inf when it cannot be read."""
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free / 2**20
+            except OSError:
+                break
+    return float("inf")
+
+
+def _nearly_full(path: Path) -> bool:
+    return _free_mib(path) < _NEARLY_FULL_MIB
 
 
 def _first_os_error(e: BaseException) -> str:
@@ -380,7 +411,7 @@ def _first_os_error(e: BaseException) -> str:
         cause = cause.__cause__
     text = " ".join(str(cause).split()) or type(cause).__name__
     if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk is full ({text})"
+        return f"{_DISK_FULL} ({text})"
     return text
 
 
