@@ -37,12 +37,14 @@ import json
 import os
 import sys
 import tempfile
+from bisect import bisect_left, bisect_right
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+from bench.sp import allocator_timeline, peak_allocated_mb
 from flowgrpo.testing.ranks import free_port, rank_env
 
 FLOOR_BYTES = {"full": 18, "lora": 2}
@@ -89,25 +91,21 @@ def _reset_hwm() -> None:
 def _alloc_phase_peaks_mb(prof, names: tuple[str, ...]) -> dict[str, float]:
     """The allocator's peak within each ``bench.memory.<name>`` range of the profile, MiB: the
     running sum of every allocation (+) and free (-) record from the start of the run, its
-    maximum over the range (what is live on entering it included). Allocations on threads the profiler does not follow (gloo's
-    workers: its collectives' own buffers on a CPU) are not in the records."""
+    maximum over the range (what is live on entering it included). Allocations on threads the
+    profiler does not follow (gloo's workers: its collectives' own buffers on a CPU) are not in
+    the records."""
     events = list(prof.profiler.kineto_results.events())
     ranges = {
         e.name()[len("bench.memory.") :]: (e.start_ns(), e.end_ns())
         for e in events
         if e.name().startswith("bench.memory.")
     }
-    records = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    times, live = allocator_timeline(events)
     peaks = {}
     for name in names:  # what is live on entering the range, then after each record inside it
         start, end = ranges[name]
-        live = sum(nbytes for t, nbytes in records if t < start)
-        peak = live
-        for t, nbytes in records:
-            if start <= t <= end:
-                live += nbytes
-                peak = max(peak, live)
-        peaks[name] = peak / 2**20
+        first, last = bisect_left(times, start), bisect_right(times, end)
+        peaks[name] = max([live[first - 1] if first else 0, *live[first:last]]) / 2**20
     return peaks
 
 
@@ -117,7 +115,6 @@ def _run_one(spec: dict, profile_alloc: bool) -> dict:
     phase."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from bench.sp import peak_allocated_mb
     from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig
     from flowgrpo.models.registry import build_adapter, load_pipeline
 

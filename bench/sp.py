@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -36,16 +37,20 @@ from flowgrpo.testing.ranks import free_port, rank_env
 GUIDANCE = 4.0
 
 
+def allocator_timeline(events) -> tuple[list[int], list[int]]:
+    """(times [ns], bytes live after each record) of the profiler's allocation (+) and free
+    (-) records among ``events`` (a profile's kineto events), in time order: the running sum
+    above the profiled region's start."""
+    records = [e for e in events if e.name() == "[memory]"]
+    records.sort(key=lambda e: e.start_ns())
+    return [e.start_ns() for e in records], list(accumulate(e.nbytes() for e in records))
+
+
 def peak_allocated_mb(prof) -> float:
     """Peak of the running sum of the profiler's allocation (+) and free (-) records, in MiB:
     the most torch memory live at once during the profiled region, above its start."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak / 2**20
+    _, live = allocator_timeline(prof.profiler.kineto_results.events())
+    return max([0, *live]) / 2**20
 
 
 def _model_state_mb(model: torch.nn.Module) -> float:
