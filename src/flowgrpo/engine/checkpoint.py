@@ -357,9 +357,9 @@ def save_checkpoint(
                 shutil.rmtree(final)
             tmp.rename(final)
     except (OSError, CheckpointException) as e:
-        why = _first_os_error(e)
-        if not why.startswith(_DISK_FULL) and _nearly_full(tmp):  # the error lost its errno
-            why = f"{_DISK_FULL} ({_free_mib(tmp):.0f} MiB free; {why})"
+        why, free = _first_os_error(e), _free_mib(tmp)
+        if not why.startswith(_DISK_FULL) and free < _NEARLY_FULL_MIB:  # the errno was lost
+            why = f"{_DISK_FULL} ({free:.0f} MiB free; {why})"
         if engine.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = latest_checkpoint(root)
@@ -394,10 +394,6 @@ def _free_mib(path: Path) -> float:
             except OSError:
                 break
     return float("inf")
-
-
-def _nearly_full(path: Path) -> bool:
-    return _free_mib(path) < _NEARLY_FULL_MIB
 
 
 def _first_os_error(e: BaseException) -> str:
