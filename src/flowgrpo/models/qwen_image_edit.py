@@ -113,29 +113,33 @@ class QwenImageEditAdapter(QwenImageAdapter):
         the processor to multiples of patch x merge, one token per merge² patches). The
         source's aspect ratio is taken as the output's (the pipelines size their default
         output from the source); Edit-Plus is counted with one source image."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         counts = super().token_counts(configs, height, width, options)
         f, _ = planner_vae(configs.get("vae", {}))
-        sw, sh, *_ = calculate_dimensions(cls.vae_area, width / height)
+        sw, sh = cls._dims_at(cls.vae_area, width / height)
         source = (sh // f // 2) * (sw // f // 2)
         vision = configs.get("text_encoder", {}).get("vision_config", {})
         patch, merge = int(vision.get("patch_size", 14)), int(vision.get("spatial_merge_size", 2))
-        vw, vh, *_ = calculate_dimensions(cls.condition_area, width / height)
+        vw, vh = cls._dims_at(cls.condition_area, width / height)
         rh, rw = smart_resize(vh, vw, patch * merge, *cls.vl_pixels)
         text = counts.text + (rh // patch) * (rw // patch) // merge**2
         prompt = (text, counts.prompt[1])
         return TokenCounts(counts.image + source, text, counts.latent, prompt, counts.frames)
 
     @staticmethod
-    def _dims(area: int, image: Any) -> tuple[int, int]:
-        """(width, height) of the pipeline's ``calculate_dimensions(area, w / h)``."""
+    def _dims_at(area: int, ratio: float) -> tuple[int, int]:
+        """(width, height) of the pipeline's ``calculate_dimensions(area, ratio)`` (ratio w / h)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-        w, h = image.size
-        cw, ch, *_ = calculate_dimensions(area, w / h)
+        cw, ch, *_ = calculate_dimensions(area, ratio)
         return cw, ch
+
+    @classmethod
+    def _dims(cls, area: int, image: Any) -> tuple[int, int]:
+        """(width, height) the pipeline resizes the PIL ``image`` to at ``area`` pixels."""
+        w, h = image.size
+        return cls._dims_at(area, w / h)
 
     def _check_rows(self, images: list[list[torch.Tensor]]) -> None:
         if self.max_images is not None and any(len(r) > self.max_images for r in images):
