@@ -203,7 +203,7 @@ class ClipColours:
         self.model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(proc, local_files_only=True)
         size = int(self.model.config.vision_config.image_size)
-        self.resize, self.crop, mean, std = image_transform(proc, size)
+        self.resize, self.crop_size, mean, std = image_transform(proc, size)
         self.mean, self.std = mean.view(3, 1, 1), std.view(3, 1, 1)
         self._classifiers: dict[str, torch.Tensor] = {}
 
@@ -248,8 +248,8 @@ class ClipColours:
         size = (new_short, new_long) if w <= h else (new_long, new_short)
         img = img.resize(size, Image.BICUBIC)
         w, h = img.size
-        top, left = int(round((h - self.crop) / 2.0)), int(round((w - self.crop) / 2.0))
-        img = img.crop((left, top, left + self.crop, top + self.crop))
+        top, left = int(round((h - self.crop_size) / 2.0)), int(round((w - self.crop_size) / 2.0))
+        img = img.crop((left, top, left + self.crop_size, top + self.crop_size))
         x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
         return (x - self.mean) / self.std
 
