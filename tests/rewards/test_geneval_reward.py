@@ -266,3 +266,35 @@ def test_reward_builds_from_the_registry_and_bad_options_are_one_line(tiny_paths
         with pytest.raises((ValueError, FileNotFoundError), match=msg) as e:
             build_reward("geneval", **opts)
         assert "\n" not in str(e.value)
+
+
+def test_served_geneval_equals_in_process_and_a_detector_of_ones_own_plugs_in(tiny_paths):
+    """``flowgrpo reward-server --reward geneval`` (the recipe's server, here over OWLv2)
+    answers the remote client with the in-process scores; metadata travels as JSON."""
+    from flowgrpo.rewards.server import serve_reward
+
+    owl, clip = tiny_paths
+    opts = {"path": owl, "clip_path": clip, "threshold": 0.0, "counting_threshold": 0.0}
+    meta = [json.loads(line) for line in FLOW_GRPO_RECORDS.splitlines()]
+    prompts = [m.pop("prompt") for m in meta]
+    images = torch.rand(4, 3, 48, 40, generator=torch.Generator().manual_seed(0))
+    local = build_reward("geneval", **opts)(images, prompts, meta)
+    server = serve_reward("geneval", options=opts).start_in_thread()
+    try:
+        remote = build_reward("remote", url=server.url, timeout=60)
+        served = torch.tensor(remote(images, prompts, meta))
+    finally:
+        server.close()
+    quantised = (images * 255).round() / 255  # the wire carries 8-bit PNGs
+    torch.testing.assert_close(served, build_reward("geneval", **opts)(quantised, prompts, meta))
+    assert local.shape == served.shape == (4,)
+
+    own = build_reward(
+        "geneval", detector="flowgrpo.testing.geneval:FixedDetector",
+        detector_options={"name": "dog"}, clip_path=clip, score="correct",
+    )  # fmt: skip
+    assert own.thresholds.threshold == 0.3  # GenEval's own defaults for a detector of yours
+    single = [
+        {"tag": "single_object", "include": [{"class": c, "count": 1}]} for c in ("dog", "cat")
+    ]
+    assert own(images[:2], ["a dog", "a cat"], single).tolist() == [1.0, 0.0]
