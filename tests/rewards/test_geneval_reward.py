@@ -173,6 +173,7 @@ class StubDetector:
 
     def detect(self, images, classnames):
         self.calls.append((len(images), list(classnames), images[0].size))
+        self.seen = [np.asarray(im) for im in images]
         return self.per_image
 
 
@@ -216,6 +217,15 @@ def test_scorer_applies_the_rules_to_the_detectors_output_and_names_bad_samples(
     for score in ("partial", "strict", "correct"):
         got = GenEvalScorer(det, StubColours(), score=score)(images, prompts, meta)
         assert got.tolist() == [float(getattr(v, score)) for v in verdicts]
+
+    import io
+
+    GenEvalScorer(det, StubColours(), jpeg_quality=75)(images, prompts, meta)  # flow_grpo's
+    buf = io.BytesIO()  # client sends its server PIL's JPEG (quality 75): the detector sees it
+    Image.fromarray((images[2] * 255).round().byte().permute(1, 2, 0).numpy()).save(buf, "JPEG")
+    np.testing.assert_array_equal(det.seen[2], np.asarray(Image.open(buf).convert("RGB")))
+    with pytest.raises(ValueError, match="jpeg_quality"):
+        GenEvalScorer(det, StubColours(), jpeg_quality=0)
 
     with pytest.raises(ValueError) as e:  # a prompt without GenEval metadata: named
         scorer(images[:2], ["a photo of a dog", "a red cat"], [meta[0], {"ocr_text": "x"}])

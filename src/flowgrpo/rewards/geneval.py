@@ -268,6 +268,19 @@ def check_metadata(meta: Any, where: str) -> None:
                 )
 
 
+def _jpeg(image: Any, quality: int) -> Any:
+    """``image`` after a JPEG round trip at ``quality``."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=quality)
+    buf.seek(0)
+    with Image.open(buf) as im:
+        return im.convert("RGB")
+
+
 @dataclass
 class Verdict:
     """One image's GenEval result: the three scores and the reasons it missed."""
@@ -296,7 +309,11 @@ class GenEvalScorer:
         *,
         score: str = "partial",
         thresholds: Thresholds = Thresholds(),
+        jpeg_quality: int | None = None,
     ) -> None:
+        if jpeg_quality is not None and not 1 <= int(jpeg_quality) <= 100:
+            raise ValueError(f"reward 'geneval': jpeg_quality must be 1..100, got {jpeg_quality!r}")
+        self.jpeg_quality = None if jpeg_quality is None else int(jpeg_quality)
         if score not in SCORES:
             raise ValueError(
                 f"reward 'geneval': score must be one of {list(SCORES)}, got {score!r}"
@@ -320,6 +337,8 @@ class GenEvalScorer:
             {r["class"] for m in metadata for r in [*m["include"], *m.get("exclude", [])]}
         )
         pils = [p.convert("RGB") for p in to_pil(images)]
+        if self.jpeg_quality is not None:  # as flow_grpo's client sends them (PIL's JPEG q75)
+            pils = [_jpeg(p, self.jpeg_quality) for p in pils]
         found = self.detector.detect(pils, names)
         out, th = [], self.thresholds
         for pil, raw, meta in zip(pils, found, metadata, strict=True):
@@ -358,7 +377,8 @@ class GenEval(GenEvalScorer):
     Mask2Former; where mmdet is installed, e.g. behind ``flowgrpo reward-server``) or an
     import path ``pkg.mod:factory`` called with ``detector_options``. ``clip_path``: the CLIP
     ViT-L/14 directory of the colour rule. ``threshold`` / ``counting_threshold`` default by
-    detector (``DETECTOR_THRESHOLDS``; GenEval's for a custom one)."""
+    detector (``DETECTOR_THRESHOLDS``; GenEval's for a custom one). ``jpeg_quality=75``
+    scores JPEG copies, as flow_grpo's client sends its server (PIL's default quality)."""
 
     def __init__(
         self,
@@ -378,6 +398,7 @@ class GenEval(GenEvalScorer):
         nms_threshold: float = 1.0,
         position_threshold: float = 0.1,
         batch_size: int = 4,
+        jpeg_quality: int | None = None,
     ) -> None:
         from flowgrpo.rewards import geneval_detectors as gd
 
@@ -417,7 +438,7 @@ class GenEval(GenEvalScorer):
             from flowgrpo.rewards.base import _import_path
 
             det = _import_path(detector)(**opts)
-        super().__init__(det, colours, score=score, thresholds=th)
+        super().__init__(det, colours, score=score, thresholds=th, jpeg_quality=jpeg_quality)
 
 
 __all__ = [
