@@ -308,3 +308,33 @@ def test_served_geneval_equals_in_process_and_a_detector_of_ones_own_plugs_in(ti
         {"tag": "single_object", "include": [{"class": c, "count": 1}]} for c in ("dog", "cat")
     ]
     assert own(images[:2], ["a dog", "a cat"], single).tolist() == [1.0, 0.0]
+
+
+def test_missing_model_folders_are_a_config_error_before_anything_loads(tmp_path, tiny_paths):
+    from flowgrpo.config import ConfigError, load_config
+
+    prompts = tmp_path / "train_metadata.jsonl"
+    prompts.write_text(FLOW_GRPO_RECORDS)
+    base = [f"model.path={tmp_path}", f"data.train_prompts={prompts}", "reward=geneval"]
+    for extra, want in [
+        (
+            [],
+            "reward 'geneval' needs a CLIP ViT-L/14 directory: set reward.geneval.options.clip_path",
+        ),
+        ([f"reward.geneval.options.clip_path={tiny_paths[1]}"], "options.path"),
+        (
+            [
+                f"reward.geneval.options.clip_path={tiny_paths[1]}",
+                "reward.geneval.options.detector=mmdet",
+            ],
+            "Mask2Former config (detector=mmdet): set reward.geneval.options.config",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config("sd3-geneval", [*base, *extra])
+        assert str(e.value).startswith(want) or want in str(e.value), str(e.value)
+    ok = [
+        f"reward.geneval.options.clip_path={tiny_paths[1]}",
+        f"reward.geneval.options.path={tiny_paths[0]}",
+    ]
+    assert load_config("sd3-geneval", [*base, *ok]).reward[0].name == "geneval"

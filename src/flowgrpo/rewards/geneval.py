@@ -371,6 +371,22 @@ class GenEvalScorer:
 DETECTOR_THRESHOLDS = {"mmdet": (0.3, 0.9), "owlv2": (0.1, 0.2)}
 
 
+def missing_options(options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(option, what it names) for each model option ``options`` of the ``geneval`` reward
+    lack (checked at config time, before the generator loads)."""
+    out = [] if options.get("clip_path") else [("clip_path", "a CLIP ViT-L/14 directory")]
+    detector = options.get("detector", "owlv2")
+    if detector == "owlv2" and not options.get("path"):
+        out.append(("path", "an OWLv2 directory (detector=owlv2)"))
+    if detector == "mmdet":
+        out += [
+            (k, f"GenEval's Mask2Former {k} (detector=mmdet)")
+            for k in ("config", "checkpoint")
+            if not options.get(k)
+        ]
+    return out
+
+
 class GenEval(GenEvalScorer):
     """The ``geneval`` reward: GenEval's rules over ``detector`` = ``owlv2`` (in process,
     ``path`` = an OWLv2 directory), ``mmdet`` (``config`` + ``checkpoint`` of GenEval's
@@ -443,6 +459,7 @@ class GenEval(GenEvalScorer):
 
 __all__ = [
     "GenEval",
+    "missing_options",
     "COLORS",
     "OBJECT_NAMES",
     "ColourClassifier",
