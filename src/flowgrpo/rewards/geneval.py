@@ -287,7 +287,7 @@ class Verdict:
 
     partial: float
     strict: bool
-    correct: bool
+    correct: bool | None  # None when not asked for (``evaluate(..., correct=False)``)
     reason: str
     detected: dict[str, list[Obj]]
 
@@ -326,9 +326,15 @@ class GenEvalScorer:
         )
 
     def evaluate(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping]
+        self,
+        images: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping],
+        *,
+        correct: bool = True,
     ) -> list[Verdict]:
-        """Detect, filter and judge every image [B, C, H, W] in [0, 1] by its metadata."""
+        """Detect, filter and judge every image [B, C, H, W] in [0, 1] by its metadata
+        (``correct=False`` skips GenEval's own verdict, which may classify more colours)."""
         from flowgrpo.rewards._image import to_pil
 
         for i, meta in enumerate(metadata):
@@ -353,15 +359,15 @@ class GenEvalScorer:
                     _c[key] = list(self.colours.classify(_pil, objs_, name))
                 return _c[key]
 
-            correct, _ = geneval_correct(objs, meta, colours, th.position_threshold)
+            ok = geneval_correct(objs, meta, colours, th.position_threshold)[0] if correct else None
             strict, partial, reason = flow_grpo_score(objs, meta, colours, th.position_threshold)
-            out.append(Verdict(partial, strict, correct, reason, objs))
+            out.append(Verdict(partial, strict, ok, reason, objs))
         return out
 
     def __call__(
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
     ) -> torch.Tensor:
-        verdicts = self.evaluate(images, prompts, metadata)
+        verdicts = self.evaluate(images, prompts, metadata, correct=self.score == "correct")
         return torch.tensor([float(getattr(v, self.score)) for v in verdicts], dtype=torch.float32)
 
 
