@@ -230,6 +230,15 @@ def _check_paths(cfg: Config, command: str) -> None:
                     f"reward {r.name!r} needs options.path, a local CLIPModel directory: "
                     f"set reward.{r.label}.options.path=/path/to/model"
                 )
+            if r.name == "geneval":  # its model folders, before the generator loads
+                from flowgrpo.rewards.geneval import missing_options
+
+                missing = missing_options(r.options)
+                if missing:
+                    opt, what = missing[0]
+                    raise ConfigError(
+                        f"reward 'geneval' needs {what}: set reward.{r.label}.options.{opt}"
+                    )
         _check_reward_paths(cfg)
     res = cfg.trainer.resume
     if command == "train" and res not in (None, "", "auto") and not Path(res).expanduser().exists():
