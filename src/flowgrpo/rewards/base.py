@@ -37,6 +37,7 @@ _REGISTRY: dict[str, Any] = {
     "remote": "flowgrpo.rewards.remote:RemoteReward",
     "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
     "image_similarity": "flowgrpo.rewards.similarity:ImageSimilarity",
+    "vlm_judge": "flowgrpo.rewards.vlm_judge:VlmJudge",
 }
 
 
