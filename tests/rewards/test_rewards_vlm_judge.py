@@ -89,7 +89,9 @@ class Stub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
 
     def __enter__(self):
         self.thread.start()
@@ -342,3 +344,106 @@ def test_model_defaults_to_the_served_one_and_bad_options_are_one_line():
         judge = build_reward("vlm_judge", url=stub.url, model="m", template="{prompt} {style}?")
         with pytest.raises(ValueError, match=r"field \{style\} is not in sample 0's metadata"):
             judge(*_batch(1))
+
+
+@pytest.mark.slow
+def test_a_judge_that_dies_mid_run_stops_it_in_one_line_and_it_resumes(tmp_path, one_thread):
+    """The server dies at step 2's first request: the run stops with one line within the
+    timeout, step 1's checkpoint is whole, and the run resumes from it once a server is back
+    on the same address."""
+    from flowgrpo.config import load_config
+    from flowgrpo.errors import RunError
+    from flowgrpo.testing.models import random_toy_path
+    from flowgrpo.trainer.logging import read_jsonl
+    from flowgrpo.trainer.loop import run_training
+
+    out = tmp_path / "run"
+    died: list[float] = []
+    ok = (200, _yes_answer({"Yes": 0.5, "No": 0.5}))
+
+    def die():  # stop serving and close the port, as a killed server does
+        stub.server.shutdown()
+        stub.server.server_close()
+
+    def answer(body):
+        if (out / "checkpoints" / "step_1").exists() and not died:
+            died.append(time.monotonic())
+            threading.Thread(target=die, daemon=True).start()
+            raise ConnectionResetError  # the handler's connection closes unanswered
+        return ok
+
+    def cfg(url, *extra):
+        return load_config(
+            "toy-digits",
+            [
+                f"model.path={random_toy_path()}",
+                "sample.prompts_per_step=2",
+                "sample.group_size=2",
+                "sample.num_steps=2",
+                "sample.eval_num_steps=2",
+                "data.eval_num_prompts=1",
+                "data.eval_samples_per_prompt=2",
+                "update.micro_batch_size=4",
+                "trainer.max_steps=3",
+                "trainer.eval_every=0",
+                "trainer.save_every=1",
+                "run.progress_bar=false",
+                "reward=vlm_judge",
+                f"reward.vlm_judge.options.url={url}",
+                "reward.vlm_judge.options.model=m",
+                "reward.vlm_judge.options.timeout=5",
+                "reward.vlm_judge.options.backoff=0.1",
+                f"run.output_dir={out}",
+                *extra,
+            ],
+        )
+
+    stub = Stub(answer)
+    with stub:
+        with pytest.raises(RunError) as e:
+            run_training(cfg(stub.url))
+        stopped = time.monotonic()
+    msg = str(e.value)
+    assert died and stopped - died[0] < 5.0 + 0.5  # within the timeout
+    assert "\n" not in msg and "vlm_judge" in msg and stub.url in msg and "(step 2)" in msg
+    assert (out / "checkpoints" / "step_1").is_dir()
+    assert not (out / "checkpoints" / "step_2").exists()
+    port = stub.server.server_address[1]
+    back = Stub(lambda body: ok)  # the server is back, on the same address
+    back.server.server_close()
+    back.server = ThreadingHTTPServer(("127.0.0.1", port), back.server.RequestHandlerClass)
+    back.thread = threading.Thread(
+        target=back.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    )
+    with back:
+        run_training(cfg(stub.url, "trainer.resume=auto"))
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward_mean" in r]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_each_shipped_template_cites_its_source_and_reads_its_answer(name):
+    import re
+
+    t = TEMPLATES[name]
+    assert re.search(r"@[0-9a-f]{40}$", t.source), t.source  # repository, file, commit
+    answers = {
+        "yes_probability": (_yes_answer({"Yes": 0.75, "No": 0.25}), 0.75),
+        "number": (
+            _text_answer(
+                "Final Score: 4"
+                if name == "unifiedreward_flowgrpo"
+                else "Alignment Score (1-5): 4\nCoherence Score (1-5): 4\nStyle Score (1-5): 4"
+            ),
+            0.75,
+        ),
+        "text_match": (_text_answer("OPEN"), 1.0),
+    }
+    answer, expected = answers[t.score]
+    with Stub(lambda body: (200, answer)) as stub:
+        judge = build_reward("vlm_judge", url=stub.url, model="m", template=name)
+        assert judge(torch.rand(1, 3, 8, 8), ['a sign that says "open"'], [{}]) == pytest.approx(
+            [expected]
+        )
+    question = _question(stub.requests[0])
+    assert ("a sign that says" in question) == ("{prompt}" in t.text)

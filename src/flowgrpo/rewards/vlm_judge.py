@@ -111,6 +111,26 @@ TEMPLATES: dict[str, JudgeTemplate] = {
         source="CodeGoat24/UnifiedReward inference_qwen/UnifiedReward-2.0-inference/"
         "point_score_ACS_image_generation.py @ff6f520247a2d36e2aff7b2ba53a935afd437f66",
     ),
+    # flow_grpo's UnifiedReward-7b-v1.5 prompt (served by SGLang), yifan123/flow_grpo
+    # flow_grpo/rewards.py `unifiedreward_score_sglang` at ac4c86e8cae021841f1fde853d340e0db67690dd;
+    # flow_grpo scores an unparseable answer 0 and maps x to x / 5, here (x - 1) / 4
+    "unifiedreward_flowgrpo": JudgeTemplate(
+        text=(
+            "<image>\nYou are given a text caption and a generated image based on that caption. "
+            "Your task is to evaluate this image based on two key criteria:\n1. Alignment with "
+            "the Caption: Assess how well this image aligns with the provided caption. Consider "
+            "the accuracy of depicted objects, their relationships, and attributes as described "
+            "in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, "
+            "including clarity, detail preservation, color accuracy, and overall aesthetic "
+            "appeal.\nBased on the above criteria, assign a score from 1 to 5 after 'Final "
+            "Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+        ),
+        score="number",
+        pattern=r"Final Score:\s*([1-5](?:\.\d+)?)",
+        scale=(1.0, 5.0),
+        source="yifan123/flow_grpo flow_grpo/rewards.py unifiedreward_score_sglang "
+        "@ac4c86e8cae021841f1fde853d340e0db67690dd",
+    ),
     # verl-omni's OCR judge (a VLM transcribes, Levenshtein against the ground truth),
     # verl_omni/utils/reward_score/genrm_ocr.py at a1139bafffb5b9711f0a6b6edff8ecaa60bfff30
     "text_rendering": JudgeTemplate(
