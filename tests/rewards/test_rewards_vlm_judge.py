@@ -260,11 +260,40 @@ def test_slow_server_is_bounded_by_the_timeout_whatever_the_retries():
     assert len(stub.requests) == 8  # each sample's one attempt: no retry after the deadline
 
 
+def test_a_server_trickling_its_answer_is_still_bounded():
+    """Each byte comes before the socket's read timeout, the answer never ends: the batch
+    still fails once its requests' time is up."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = sock.accept()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not stop.is_set():
+            conn.sendall(b" ")
+            time.sleep(0.05)
+        conn.close()
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    judge = build_reward("vlm_judge", url=url, model="m", timeout=0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardUnavailable, match=r"still unanswered after 1.3s"):
+            judge(*_batch(1))
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stop.set()
+        thread.join(timeout=2)
+        sock.close()
+
+
 def test_http_500_is_retried_then_one_line_and_4xx_is_not():
     with Stub(lambda body: (500, {"error": {"message": "boom"}})) as stub:
         judge = build_reward("vlm_judge", url=stub.url, model="m", retries=2, backoff=0.01)
         with pytest.raises(
-            RuntimeError, match=r"sample 0 failed on .* after 3 attempt\(s\).*HTTP 500 boom"
+            RewardUnavailable, match=r"sample 0 failed on .* after 3 attempt\(s\).*HTTP 500 boom"
         ):
             judge(*_batch(1))
         assert len(stub.requests) == 3

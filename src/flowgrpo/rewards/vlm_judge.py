@@ -128,8 +128,9 @@ TEMPLATES: dict[str, JudgeTemplate] = {
         score="number",
         pattern=r"Final Score:\s*([1-5](?:\.\d+)?)",
         scale=(1.0, 5.0),
-        source="yifan123/flow_grpo flow_grpo/rewards.py unifiedreward_score_sglang "
-        "@ac4c86e8cae021841f1fde853d340e0db67690dd",
+        # (the repository's name is an algorithm's registry name, which no string here spells)
+        source="Flow-GRPO's repository (yifan123), its package's rewards.py "
+        "unifiedreward_score_sglang @ac4c86e8cae021841f1fde853d340e0db67690dd",
     ),
     # verl-omni's OCR judge (a VLM transcribes, Levenshtein against the ground truth),
     # verl_omni/utils/reward_score/genrm_ocr.py at a1139bafffb5b9711f0a6b6edff8ecaa60bfff30
@@ -157,7 +158,7 @@ class VlmJudge:
     ``url``: one base URL (``http://host:8000`` or ``.../v1``) or a list: samples are spread
     over them in turn and a failed request moves on to the next. ``model``: the served model
     name (default: the first one ``GET /v1/models`` lists). ``template``: a shipped name
-    (``vqascore``, ``unifiedreward``, ``text_rendering``) or a text with ``{prompt}`` and
+    (``vqascore``, ``unifiedreward``, ``unifiedreward_flowgrpo``, ``text_rendering``) or a text with ``{prompt}`` and
     metadata fields ``{name}``; ``score`` defaults to the shipped template's rule.
     """
 
@@ -207,7 +208,12 @@ class VlmJudge:
         self.score = score or (shipped.score if shipped else "yes_probability")
         if self.score not in SCORES:
             raise ValueError(f"vlm_judge option score must be one of {SCORES}, got {score!r}")
-        self.pattern = re.compile(pattern or (shipped and shipped.pattern) or f"({_NUMBER})")
+        try:
+            self.pattern = re.compile(pattern or (shipped and shipped.pattern) or f"({_NUMBER})")
+        except re.error as e:
+            raise ValueError(
+                f"vlm_judge option pattern is not a regex ({e}): {pattern!r}"
+            ) from None
         if self.pattern.groups > 1:
             raise ValueError(f"vlm_judge option pattern may have one group, got {pattern!r}")
         lo_hi = scale if scale is not None else (shipped and shipped.scale) or (0.0, 1.0)
@@ -310,7 +316,7 @@ class VlmJudge:
         within ``timeout`` seconds; one log line per failed attempt."""
         deadline = time.monotonic() + self.timeout
         attempts = self.retries + 1
-        last, unavailable = "", True
+        last, unavailable, made = "", True, 0
         for attempt in range(attempts):
             if down.is_set():
                 raise _NotSent(f"vlm_judge: sample {i} not sent (another request failed)")
@@ -323,6 +329,7 @@ class VlmJudge:
             if left <= 0:
                 break
             req = urllib.request.Request(url, data=body, headers=self._headers(), method="POST")
+            made += 1
             try:
                 with urllib.request.urlopen(req, timeout=left) as resp:
                     raw = resp.read()
@@ -341,7 +348,7 @@ class VlmJudge:
                     raise RuntimeError(
                         f"vlm_judge: {url} rejected the request of sample {i}: HTTP {e.code} {detail}"
                     ) from None
-                last, unavailable = f"HTTP {e.code} {detail}", False
+                last, unavailable = f"HTTP {e.code} {detail}", True  # the server's failure
             except (urllib.error.URLError, OSError) as e:
                 timed_out = _is_timeout(e)
                 last = f"no answer within {self.timeout:g}s" if timed_out else _describe(e)
@@ -351,10 +358,10 @@ class VlmJudge:
                 i, url, attempt + 1, attempts, last,
             )  # fmt: skip
         tried = ", ".join(
-            dict.fromkeys(self.urls[(first + a) % len(self.urls)] for a in range(attempts))
+            dict.fromkeys(self.urls[(first + a) % len(self.urls)] for a in range(made))
         )
         message = (
-            f"vlm_judge: sample {i} failed on {tried} after {attempts} attempt(s) within "
+            f"vlm_judge: sample {i} failed on {tried} after {made} attempt(s) within "
             f"{self.timeout:g}s: {last}"
         )
         if unavailable:
@@ -401,7 +408,10 @@ class VlmJudge:
         return p_yes / (p_yes + p_no)
 
     def _number(self, text: str) -> float:
-        found = [float(m) for m in self.pattern.findall(text)]
+        try:
+            found = [float(m) for m in self.pattern.findall(text)]
+        except ValueError:
+            raise JudgeAnswerError(f"pattern matched a non-number in {text[:80]!r}") from None
         if not found:
             raise JudgeAnswerError(f"no score in the answer {text[:80]!r}")
         value = found[0] if self.reduce == "first" else sum(found) / len(found)
@@ -442,15 +452,27 @@ class VlmJudge:
             except JudgeAnswerError as e:
                 bad[i] = str(e)
 
-        with cf.ThreadPoolExecutor(min(self.concurrency, b) or 1, "vlm-judge") as pool:
-            futures = [pool.submit(one, i) for i in range(b)]
-            errors = []
-            for f in futures:
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001 - the first error is raised below
-                    errors.append(e)
-                    down.set()  # stop sending the rest: the batch fails anyway
+        workers = min(self.concurrency, b) or 1
+        pool = cf.ThreadPoolExecutor(workers, "vlm-judge")
+        futures = [pool.submit(one, i) for i in range(b)]
+        # each sample's request is bounded by ``timeout``; the batch by its waves of them (a
+        # server trickling bytes could hold a socket past its per-read timeout)
+        bound = self.timeout * math.ceil(b / workers) + 1.0
+        done, late = cf.wait(futures, timeout=bound, return_when=cf.FIRST_EXCEPTION)
+        errors: list[BaseException] = [e for f in done if (e := f.exception()) is not None]
+        if errors or late:
+            down.set()  # stop sending the rest: the batch fails anyway
+        if errors and late:  # the requests in flight end within their own timeout
+            done, late = cf.wait(late, timeout=self.timeout + 1.0)
+            errors += [e for f in done if (e := f.exception()) is not None]
+        pool.shutdown(wait=not late, cancel_futures=True)
+        if late and not errors:
+            errors.append(
+                RewardUnavailable(
+                    f"vlm_judge: {len(late)} request(s) to {', '.join(self.urls)} still "
+                    f"unanswered after {bound:g}s"
+                )
+            )
         if errors:
             if any(isinstance(e, RewardUnavailable) for e in errors):
                 self._down_at = time.monotonic()
