@@ -49,9 +49,9 @@ vllm-venv: $(VLLM_VENV)/.flowgrpo-ready
 # the vLLM venv builds in the background while the other tests run; its test waits for it
 # (build/vllm-venv.log; on failure build/vllm-venv.failed says why and that test fails)
 test: $(STAMP)
-	@mkdir -p build && rm -f build/vllm-venv.failed
-	@($(MAKE) --no-print-directory vllm-venv > build/vllm-venv.log 2>&1 || \
-	  (grep -v "is ignored" build/vllm-venv.log | tail -n 3 > build/vllm-venv.failed)) &
+	@mkdir -p build && rm -f build/vllm-venv.failed; \
+	($(MAKE) --no-print-directory vllm-venv > build/vllm-venv.log 2>&1 || \
+	  (grep -v "is ignored" build/vllm-venv.log | tail -n 3 > build/vllm-venv.failed)) & \
 	FLOWGRPO_VLLM_BUILDING=1 $(PY) -m pytest; rc=$$?; wait; exit $$rc
 
 # the local loop: everything but the tests that spawn ranks or train end to end (`slow`)

