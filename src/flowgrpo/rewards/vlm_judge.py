@@ -474,9 +474,10 @@ class VlmJudge:
                 )
             )
         if errors:
-            if any(isinstance(e, RewardUnavailable) for e in errors):
+            raised = next((e for e in errors if not isinstance(e, _NotSent)), errors[0])
+            if isinstance(raised, RewardUnavailable):  # the servers are down or hung
                 self._down_at = time.monotonic()
-            raise next((e for e in errors if not isinstance(e, _NotSent)), errors[0])
+            raise raised
         if bad:
             listed = "; ".join(f"sample {i}: {bad[i]}" for i in sorted(bad))
             if self.fallback is None:
