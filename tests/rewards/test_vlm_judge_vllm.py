@@ -60,6 +60,25 @@ def test_yes_probabilities_equal_the_models_own_computed_by_transformers(vllm):
     assert max(ref) > 0.3 and max(ref) - min(ref) > 0.3  # large and varied: the check can fail
 
 
+def test_a_generated_answer_goes_through_the_number_rule_and_its_policy(vllm):
+    """The random judge writes text, never a "Score: N" line: each sample is named, or scores
+    the fallback. A prompt past the server's context is its one-line 400."""
+    server, _ = vllm
+    images = torch.rand(2, 3, IMAGE_SIDE, IMAGE_SIDE, generator=torch.Generator().manual_seed(1))
+    prompts, meta = ["a cat", "a dog"], [{}, {}]
+    opts = dict(url=server.url, template="Rate {prompt} from 1 to 5.", score="number")
+    opts.update(pattern=r"Score:\s*(\d)", scale=[1, 5], max_tokens=8)
+    with pytest.raises(
+        RuntimeError, match=r"could not score 2 of 2 sample\(s\) \(sample 0: no score"
+    ):
+        build_reward("vlm_judge", **opts)(images, prompts, meta)
+    assert build_reward("vlm_judge", fallback=0.0, **opts)(images, prompts, meta) == [0.0, 0.0]
+    long = build_reward("vlm_judge", url=server.url, template="unifiedreward")  # > 256 tokens
+    with pytest.raises(RuntimeError, match=r"rejected the request of sample \d: HTTP 400") as e:
+        long(images, prompts, meta)
+    assert "\n" not in str(e.value)
+
+
 def test_the_toy_trains_two_steps_against_the_judge(vllm, tmp_path, one_thread):
     from flowgrpo.config import load_config
     from flowgrpo.testing.models import random_toy_path
