@@ -394,8 +394,11 @@ class VlmJudge:
                 "the answer carries no top log-probs (does the server support logprobs?)"
             ) from None
         seen: dict[str, float] = {}  # one probability per distinct token text
-        for entry in top:
-            seen.setdefault(str(entry["token"]), math.exp(float(entry["logprob"])))
+        try:
+            for entry in top:
+                seen.setdefault(str(entry["token"]), math.exp(float(entry["logprob"])))
+        except (KeyError, TypeError, ValueError):
+            raise JudgeAnswerError(f"malformed top log-probs {str(top)[:120]!r}") from None
         p_yes = sum(p for t, p in seen.items() if t.strip().lower() == self.answer)
         if not self.normalize:
             return min(p_yes, 1.0)
