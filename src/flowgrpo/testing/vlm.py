@@ -142,10 +142,11 @@ def reference_yes_probability(
 VLLM_VENV = Path(__file__).resolve().parents[3] / "build" / "vllm-venv"
 
 
-def wait_for_vllm_venv(venv: str | Path | None = None, wait_s: float = 900.0) -> Path:
+def wait_for_vllm_venv(venv: str | Path | None = None, wait_s: float = 400.0) -> Path:
     """The vLLM venv's python, once ``make vllm-venv`` has finished it. ``make test`` builds it
     in the background (``FLOWGRPO_VLLM_BUILDING=1``): then wait for it (at most ``wait_s``);
-    otherwise it must be there. RuntimeError with one line saying why otherwise."""
+    otherwise it must be there. RuntimeError with one line saying why otherwise. The waits
+    (this one, the server's start) stay within pytest's 600 s per test."""
     import os
 
     venv = Path(venv or os.environ.get("FLOWGRPO_VLLM_VENV") or VLLM_VENV)
@@ -182,7 +183,7 @@ class VllmServer:
         python: str | Path,
         model_dir: str | Path,
         log_path: str | Path,
-        start_timeout: float = 300.0,
+        start_timeout: float = 180.0,
         name: str = "judge",
         dtype: str = "float32",
         eager: bool = True,
