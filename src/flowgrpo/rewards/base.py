@@ -38,6 +38,7 @@ _REGISTRY: dict[str, Any] = {
     "geneval": "flowgrpo.rewards.geneval:GenEval",
     "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
     "image_similarity": "flowgrpo.rewards.similarity:ImageSimilarity",
+    "vlm_judge": "flowgrpo.rewards.vlm_judge:VlmJudge",
 }
 
 
