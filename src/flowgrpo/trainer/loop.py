@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -639,5 +640,13 @@ def run_export_lora(
             "add --full to write the whole transformer with save_pretrained"
         )
     run = _restored(cfg, checkpoint, "export")
+    ema, steps = run.engine.ema, run.engine.optimizer_steps
+    if not raw and ema is not None and steps < ema.update_every and run.dist.is_main:
+        print(  # the EMA still holds the initial weights: an export of them changes nothing
+            f"flowgrpo: warning: the EMA has not been updated yet ({steps} optimizer steps, "
+            f"ema.update_every={ema.update_every}): it holds the initial weights, so this "
+            "export equals the untrained model; --raw exports the trained weights",
+            file=sys.stderr,
+        )
     with run.ema(not raw):
         return Path(run.engine.save_full(out_file) if full else run.engine.export_lora(out_file))
