@@ -357,8 +357,8 @@ class RunConfig:
     )
     progress_bar: bool = setting(
         True,
-        "Show a progress bar with step, reward and ETA; false (cluster logs): a line every "
-        "`trainer.log_every` steps instead.",
+        "Show a progress bar with step, reward and ETA (on a terminal); false, or output to a "
+        "pipe or file: a line every `trainer.log_every` steps (and at least every 60 s).",
     )
     num_threads: int = setting(
         0,

@@ -39,7 +39,7 @@ from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
-from flowgrpo.trainer.logging import RunLogger, startup_banner, write_final_report
+from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
@@ -473,7 +473,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         wandb_project=cfg.run.wandb_project,
         run_name=cfg.run.name,
         config=config_to_dict(cfg),
-        progress=cfg.run.progress_bar,
+        progress=wants_bar(cfg.run.progress_bar),  # a pipe or a log file: step lines
         log_every=tr.log_every,
     )
     logger.write(
@@ -486,6 +486,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             output_dir=out,
             resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
             planned=setup.planned_memory(cfg, dist) if dist.is_main else None,
+            num_frames=run.num_frames,
         )
     )
     if run.engine.optim_changes:
