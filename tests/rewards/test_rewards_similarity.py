@@ -200,3 +200,27 @@ def test_flow_grpo_preprocessing_equals_its_scorer(tiny_clip):
         cfg = load_config(preset, [], check_paths=False)
         spec = next(r for r in cfg.reward if r.name == "image_similarity")
         assert spec.options["preprocess"] == "flow_grpo", preset
+
+
+def test_a_clipmodel_folder_loads_without_a_load_report(tiny_clip, tmp_path, capfd):
+    """The vision model leaves a CLIPModel folder's text tower unused by design: transformers'
+    ~23-line LOAD REPORT of its keys (per rank) is not printed; anything else missing or
+    unused is one warning line."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either
+        build_reward("image_similarity", path=str(tiny_clip))
+    out = capfd.readouterr()
+    assert "LOAD REPORT" not in out.out + out.err and "UNEXPECTED" not in out.out + out.err
+    broken = tmp_path / "no_projection"  # a folder without the vision projection
+    broken.mkdir()
+    for f in tiny_clip.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(broken / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if "visual_projection" not in k},
+              str(broken / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    with pytest.warns(UserWarning, match=r"loaded with weights missing 1 \(e.g. visual_proj"):
+        build_reward("image_similarity", path=str(broken))

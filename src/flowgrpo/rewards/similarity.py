@@ -31,6 +31,10 @@ The default ``"clip"`` is the CLIP image processor's form (bicubic, the file's s
 from __future__ import annotations
 
 import hashlib
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,9 +93,15 @@ class ImageSimilarity:
             vision = config.vision_config  # the top-level projection_dim, not the vision
             vision.projection_dim = config.projection_dim  # config's default (512)
             config = vision
-        self.model = CLIPVisionModelWithProjection.from_pretrained(
-            path, config=config, local_files_only=True, dtype=_DTYPES[dtype]
-        )
+        with _no_load_report():  # a CLIPModel folder's text tower is "unexpected" by design
+            self.model, info = CLIPVisionModelWithProjection.from_pretrained(
+                path,
+                config=config,
+                local_files_only=True,
+                dtype=_DTYPES[dtype],
+                output_loading_info=True,
+            )
+        _warn_unless_only_text_unused(name, path, info)
         self.model.to(self.device).eval().requires_grad_(False)
         image_size = int(self.model.config.image_size)
         self.resize, self.crop, self.mean, self.std = image_transform(
@@ -174,6 +184,45 @@ class ImageSimilarity:
         return torch.stack(
             [(sources[row] @ results[b]).mean() for b, row in enumerate(rows)]
         ).float()
+
+
+#: the parts of a full CLIPModel that the vision model leaves unused
+_TEXT_PARTS = ("text_model.", "text_projection.", "logit_scale")
+
+
+@contextmanager
+def _no_load_report() -> Iterator[None]:
+    """transformers' "LOAD REPORT" (a ~23-line table per rank) silenced for one load: loading
+    the vision tower of a full CLIPModel folder leaves its text tower unused, as intended;
+    ``_warn_unless_only_text_unused`` reports anything else in one line."""
+    log = logging.getLogger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _warn_unless_only_text_unused(name: str, path: str, info: dict) -> None:
+    """One warning line when the load left vision weights missing or mismatched, or used none
+    of some checkpoint weights other than a CLIPModel's text tower."""
+    missing = list(info.get("missing_keys") or [])
+    mismatched = [
+        str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []
+    ]
+    unused = [k for k in info.get("unexpected_keys") or [] if not k.startswith(_TEXT_PARTS)]
+    parts = [
+        f"{what} {len(keys)} (e.g. {sorted(keys)[0]})"
+        for what, keys in (("missing", missing), ("mismatched", mismatched), ("unused", unused))
+        if keys
+    ]
+    if parts:
+        warnings.warn(
+            f"reward {name!r}: the CLIP vision model in {path} loaded with weights "
+            f"{', '.join(parts)}: is it a CLIP model folder?",
+            stacklevel=3,
+        )
 
 
 def flow_grpo_pixels(
