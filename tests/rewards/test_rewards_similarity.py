@@ -183,23 +183,23 @@ def _flow_grpo_reference(path, images: torch.Tensor, sources: list[torch.Tensor]
 
 
 def test_flow_grpo_preprocessing_equals_its_scorer(tiny_clip):
-    """preprocess='flow_grpo': bilinear, the source resized to the result's size first (the
+    """preprocess='flow_grpo_scorer': bilinear, the source resized to the result's size first (the
     counting_edit presets); the default 'clip' form scores the same pair differently."""
     g = torch.Generator().manual_seed(3)
     images = torch.rand(2, 3, 48, 40, generator=g)
     sources = [(torch.rand(3, 64, 56, generator=g) * 255).round() / 255 for _ in range(2)]
     meta = [{"source_images": [s]} for s in sources]
     want = _flow_grpo_reference(tiny_clip, images, sources)
-    ours = build_reward("image_similarity", path=str(tiny_clip), preprocess="flow_grpo")
+    ours = build_reward("image_similarity", path=str(tiny_clip), preprocess="flow_grpo_scorer")
     torch.testing.assert_close(ours(images, ["p"] * 2, meta), want, atol=1e-6, rtol=0)
     clip = build_reward("image_similarity", path=str(tiny_clip))
     assert (clip(images, ["p"] * 2, meta) - want).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="preprocess must be 'clip' or 'flow_grpo'"):
+    with pytest.raises(ValueError, match="preprocess must be 'clip' or 'flow_grpo_scorer'"):
         build_reward("image_similarity", path=str(tiny_clip), preprocess="bilinear")
     for preset in ("qwen-image-edit-counting", "flux-kontext-counting"):
         cfg = load_config(preset, [], check_paths=False)
         spec = next(r for r in cfg.reward if r.name == "image_similarity")
-        assert spec.options["preprocess"] == "flow_grpo", preset
+        assert spec.options["preprocess"] == "flow_grpo_scorer", preset
 
 
 def test_a_clipmodel_folder_loads_without_a_load_report(tiny_clip, tmp_path, capfd):

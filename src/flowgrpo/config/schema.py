@@ -177,7 +177,7 @@ class SampleConfig:
         "sample",
         "How the window's start is drawn: `sample` (each sample its own: every step trains "
         "all window positions) or `step` (one start per training step for every sample and "
-        "rank, drawn from seed and step: Flow-Factory's draw per epoch, flow_grpo's per "
+        "rank, drawn from seed and step: Flow-Factory's draw per epoch, Flow-GRPO's per "
         "rollout batch).",
         check=one_of("sample", "step"),
     )

@@ -17,7 +17,7 @@ every source brings content the result should keep and none is privileged unless
 says so; ``source=i`` compares with source i only (flow_grpo's dual-reference Edit-Plus run
 scores the second input, i.e. ``source: 1``). With one source both are the same.
 
-``preprocess="flow_grpo"`` prepares the pixels as flow_grpo's scorer does instead (the
+``preprocess="flow_grpo_scorer"`` prepares the pixels as flow_grpo's scorer does instead (the
 counting_edit presets set it): ``ClipScorer._process`` (zhtmike/flow_grpo@9745241
 flow_grpo/clip_scorer.py:22-28, 38-43) runs torchvision's ``T.Resize(224)`` (bilinear,
 antialiased, the long side ``int(224 · long / short)``) and ``T.CenterCrop`` (offset
@@ -78,9 +78,9 @@ class ImageSimilarity:
                 f"reward {name!r}: source must be 'mean' or a source index (0, 1, ...), "
                 f"got {source!r}"
             )
-        if preprocess not in ("clip", "flow_grpo"):
+        if preprocess not in ("clip", "flow_grpo_scorer"):
             raise ValueError(
-                f"reward {name!r}: preprocess must be 'clip' or 'flow_grpo', got {preprocess!r}"
+                f"reward {name!r}: preprocess must be 'clip' or 'flow_grpo_scorer', got {preprocess!r}"
             )
         self.preprocess_mode = preprocess
         from transformers import AutoConfig, CLIPConfig, CLIPVisionModelWithProjection
@@ -110,15 +110,15 @@ class ImageSimilarity:
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> pixel_values [B, 3, crop, crop] (normalised)."""
-        if self.preprocess_mode == "flow_grpo":
+        if self.preprocess_mode == "flow_grpo_scorer":
             return flow_grpo_pixels(images, self.resize, self.crop, self.mean, self.std)
         return preprocess_images(images, self.resize, self.crop, self.mean, self.std)
 
     def prepare_source(self, source: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        """A source [3, H, W] in [0, 1] -> pixel_values [3, crop, crop]; with ``flow_grpo``
+        """A source [3, H, W] in [0, 1] -> pixel_values [3, crop, crop]; with ``flow_grpo_scorer``
         first resized to the result's ``size`` (h, w) as flow_grpo's scripts do (8-bit,
         Pillow's default filter)."""
-        if self.preprocess_mode == "flow_grpo" and tuple(source.shape[-2:]) != size:
+        if self.preprocess_mode == "flow_grpo_scorer" and tuple(source.shape[-2:]) != size:
             from PIL import Image
 
             u8 = (source.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
