@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowgrpo.algo.sde import sde_step_with_logprob
-from flowgrpo.algorithms import algorithm_class
+from flowgrpo.algorithms import ALGORITHMS, algorithm_class
 from flowgrpo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +94,8 @@ def test_hunyuan_video15_rollout_has_unirls_eight_sde_steps_among_steps_0_to_8()
         assert w.hi - w.lo == 8 and 0 <= w.lo <= 1  # 8 stochastic steps, all within 0-8
         starts.add(w.lo)
     assert starts == {0, 1}
+    for name in ALGORITHMS:  # every algorithm runs the preset (those with their own sampling
+        load_config("hunyuan-video15-pickscore", [f"algorithm={name}"], check_paths=False)
     header = (PRESETS / "hunyuan-video15-pickscore.yaml").read_text()
     assert "were not compared" not in header and "is the same formula" in header
     assert "0.569" in header and "0.486" in header
