@@ -279,10 +279,13 @@ def _add_lazy(sub: Any, name: str, wanted: str | None) -> None:
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The argparse tree; the subcommands of other modules (LAZY_COMMANDS) are imported only
     when ``argv`` selects them."""
+    from flowgrpo.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
+
+    algorithms = ", ".join(ALGORITHMS)
     parser = argparse.ArgumentParser(
         prog="flowgrpo",
-        description="Online RL (Flow-GRPO, MixGRPO, GRPO-Guard, DiffusionNFT) for flow-matching "
-        "text-to-image and text-to-video models.",
+        description="Online RL for flow-matching text-to-image and text-to-video models, with "
+        f"one of {len(ALGORITHMS)} algorithms (algorithm=NAME): {algorithms}.",
         epilog="`flowgrpo train --help` prints the effective default config. "
         "Docs: docs/training.md.",
     )
@@ -291,8 +294,10 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train with Flow-GRPO (default preset: toy-digits)",
-        description="Train with Flow-GRPO. Outputs go to run.output_dir: metrics.jsonl, "
+        help=f"train (algorithm=NAME: {algorithms}; default {DEFAULT_ALGORITHM}, preset "
+        "toy-digits)",
+        description=f"Train with algorithm=NAME ({algorithms}; default {DEFAULT_ALGORITHM}). "
+        "Outputs go to run.output_dir: metrics.jsonl, "
         "checkpoints/step_<N>/, image grids, reward_curve.png. resume=auto continues from the "
         "newest complete checkpoint. Multi-process: torchrun --nproc_per_node=N -m flowgrpo "
         "train ...",

@@ -17,8 +17,9 @@ config that several layers read (``BUILTIN``, ``DEFAULT_PRESET``, ``DTYPES``, ``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -78,7 +79,24 @@ def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = Fals
 
 
 def one_of(*choices: Any) -> Check:
-    return ("one of " + ", ".join(repr(c) for c in choices), lambda v: v in choices)
+    def ok(v: Any) -> bool:
+        return v in choices
+
+    ok.choices = choices  # type: ignore[attr-defined]  # a failed check suggests the nearest
+    return ("one of " + ", ".join(repr(c) for c in choices), ok)
+
+
+def did_you_mean(name: str, choices: Iterable[Any]) -> str:
+    """`` (did you mean 'x'?)`` for the choices that contain ``name`` or that it contains (at
+    least 3 letters: ``jpeg`` -> ``jpeg_compressibility``, ``dppo`` -> ``flow_dppo``), else
+    the closest by spelling; "" when none is near."""
+    names = [str(c) for c in choices]
+    low = str(name).lower()
+    hits = [c for c in names if len(low) >= 3 and (low in c.lower() or c.lower() in low)]
+    hits = hits or difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    if not hits:
+        return ""
+    return f" (did you mean {' or '.join(repr(h) for h in hits[:3])}?)"
 
 
 def optional(check: Check, what: str = "null") -> Check:
@@ -107,6 +125,10 @@ def check_section(obj: Any, prefix: str = "") -> None:
                 passed = bool(ok(value))
             except TypeError:
                 passed = False
+            choices = getattr(ok, "choices", None)
+            if not passed and choices is not None and isinstance(value, str):
+                hint = did_you_mean(value, choices)
+                raise ConfigError(f"config key {key!r} must be {allowed}, got {value!r}{hint}")
             need(passed, key, allowed, value)
     own = getattr(obj, "check", None)
     if callable(own):

@@ -148,3 +148,79 @@ def test_a_text_to_image_run_with_it_is_a_one_line_config_error(tiny_clip, tmp_p
         [f"model.path={tmp_path}", f"data.train_prompts={edits}", "reward=image_similarity", *sim],
     )
     assert cfg.reward[0].name == "image_similarity"
+
+
+def _flow_grpo_reference(path, images: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """flow_grpo's image_similarity, transcribed (zhtmike/flow_grpo@9745241): the source as
+    its script gives it, ``ref_image.resize((resolution, resolution))`` on the PIL image
+    (scripts/train_qwenimage_edit.py:614) then uint8 / 255 (flow_grpo/rewards.py:70-74);
+    ``ClipScorer._process`` = T.Resize(32) (bilinear, antialias) + T.CenterCrop(32) +
+    T.Normalize on both (clip_scorer.py:22-28, 38-43), written out for a 48 x 40 result:
+    torchvision resizes it to 38 x 32 (int(32 * 48 / 40)) and crops rows 3..35
+    (round((38 - 32) / 2)); then get_image_features, L2-normalised, the diagonal of sim."""
+    import numpy as np
+    from PIL import Image
+    from transformers import CLIPModel
+
+    model = CLIPModel.from_pretrained(path, local_files_only=True).eval()
+    mean, std = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1), torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    assert images.shape[-2:] == (48, 40)
+    refs = []
+    for s in sources:
+        pil = Image.fromarray((s * 255).round().byte().permute(1, 2, 0).numpy())
+        refs.append(torch.tensor(np.array(pil.resize((40, 48)))).permute(2, 0, 1))
+    ref_pixels = torch.stack(refs).to(torch.uint8) / 255.0
+
+    def process(x: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, size=(38, 32), mode="bilinear", align_corners=False, antialias=True)
+        return (x[..., 3:35, :] - mean) / std
+
+    with torch.no_grad():
+        a = model.get_image_features(pixel_values=process(images)).pooler_output
+        b = model.get_image_features(pixel_values=process(ref_pixels)).pooler_output
+    a, b = a / a.norm(dim=-1, keepdim=True), b / b.norm(dim=-1, keepdim=True)
+    return torch.diagonal(a @ b.T)
+
+
+def test_flow_grpo_preprocessing_equals_its_scorer(tiny_clip):
+    """preprocess='flow_grpo_scorer': bilinear, the source resized to the result's size first (the
+    counting_edit presets); the default 'clip' form scores the same pair differently."""
+    g = torch.Generator().manual_seed(3)
+    images = torch.rand(2, 3, 48, 40, generator=g)
+    sources = [(torch.rand(3, 64, 56, generator=g) * 255).round() / 255 for _ in range(2)]
+    meta = [{"source_images": [s]} for s in sources]
+    want = _flow_grpo_reference(tiny_clip, images, sources)
+    ours = build_reward("image_similarity", path=str(tiny_clip), preprocess="flow_grpo_scorer")
+    torch.testing.assert_close(ours(images, ["p"] * 2, meta), want, atol=1e-6, rtol=0)
+    clip = build_reward("image_similarity", path=str(tiny_clip))
+    assert (clip(images, ["p"] * 2, meta) - want).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="preprocess must be 'clip' or 'flow_grpo_scorer'"):
+        build_reward("image_similarity", path=str(tiny_clip), preprocess="bilinear")
+    for preset in ("qwen-image-edit-counting", "flux-kontext-counting"):
+        cfg = load_config(preset, [], check_paths=False)
+        spec = next(r for r in cfg.reward if r.name == "image_similarity")
+        assert spec.options["preprocess"] == "flow_grpo_scorer", preset
+
+
+def test_a_clipmodel_folder_loads_without_a_load_report(tiny_clip, tmp_path, capfd):
+    """The vision model leaves a CLIPModel folder's text tower unused by design: transformers'
+    ~23-line LOAD REPORT of its keys (per rank) is not printed; anything else missing or
+    unused is one warning line."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either
+        build_reward("image_similarity", path=str(tiny_clip))
+    out = capfd.readouterr()
+    assert "LOAD REPORT" not in out.out + out.err and "UNEXPECTED" not in out.out + out.err
+    broken = tmp_path / "no_projection"  # a folder without the vision projection
+    broken.mkdir()
+    for f in tiny_clip.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(broken / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if "visual_projection" not in k},
+              str(broken / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    with pytest.warns(UserWarning, match=r"loaded with weights missing 1 \(e.g. visual_proj"):
+        build_reward("image_similarity", path=str(broken))

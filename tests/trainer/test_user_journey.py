@@ -195,11 +195,12 @@ def test_run_defining_keys_are_one_list():
     b = config_to_dict(
         load_config(
             None,
-            ["model.path=/moved/toy", "nft.beta=0.5", "flow_grpo.kl_beta=0.1", "optim.lr=1e-3"]
+            ["model.path=/moved/toy", "flow_grpo.kl_beta=0.1", "optim.lr=1e-3"]
             + ["advantage.async_reward=true", "trainer.max_steps=80", "fsdp.sp_degree=2"],
             check_paths=False,
         )
     )
+    b["nft"]["beta"] = 0.5  # another algorithm's section (an override of it is refused)
     # the algorithm's own section counts, another algorithm's and the file locations do not;
     # the learning rate is not compared here
     assert changed_keys(a, b) == ["flow_grpo.kl_beta"]

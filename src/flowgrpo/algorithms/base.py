@@ -115,6 +115,8 @@ class Algorithm(ABC):
         fixed-shift grid with ``sample.time_shift``)."""
         s = self.cfg.sample
         window = SDEWindow(s.window_size, s.window_lo, s.window_hi) if s.window_size > 0 else None
+        if window is not None and s.window_draw == "step":  # one start for the whole step
+            window = window.drawn_once(s.stochastic_steps(), seed=self.cfg.seed, step=step)
         grid = None if s.time_shift is None else time_shift_grid(s.num_steps, s.time_shift)
         return RolloutPlan(
             num_steps=s.num_steps,

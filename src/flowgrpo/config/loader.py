@@ -493,29 +493,90 @@ def load_config(
     ("train", "eval", "sample", "export") limits those checks to what the command reads.
     """
     overrides = list(overrides)
+    preset_keys: set[str] = set()  # the dotted keys the preset (or its overlay) set
+    origin = "the run's recorded config.yaml"
     if recorded is not None:  # a run's config.yaml: the base, in place of the preset
         _check_recorded_preset(preset, recorded)
         cfg = Config()
-        apply_mapping(cfg, recorded, "", "the run's recorded config.yaml")
+        apply_mapping(cfg, recorded, "", origin)
     else:
         data, label = preset_dict(preset or DEFAULT_PRESET)
         origin = label if Path(label).suffix else f"preset {label!r}"
         overlays = _algorithm_overlays(data.pop(OVERLAYS, None), origin)
         cfg = Config()
         apply_mapping(cfg, data, "", origin)
+        preset_keys = _dotted_keys(data)
         if cfg.preset is None:
             cfg.preset = label
         chosen = _chosen_algorithm(overrides) or cfg.algorithm
         if chosen in overlays:  # the preset's values for this algorithm; the overrides win
             apply_mapping(cfg, overlays[chosen], "", f"{origin} ({OVERLAYS}.{chosen})")
+            preset_keys |= _dotted_keys(overlays[chosen])
     base_algorithm, default_dir = cfg.algorithm, cfg.run.output_dir
     for text in overrides:
         apply_override(cfg, text)
     if recorded is None and cfg.algorithm != base_algorithm and cfg.run.output_dir == default_dir:
         cfg.run.output_dir = algorithm_output_dir(default_dir, cfg.algorithm)
+    given = _override_keys(overrides)
+    _refuse_ignored(cfg, given)
     resolve_defaults(cfg)
-    validate(cfg, check_paths=check_paths, command=command)
+    try:
+        validate(cfg, check_paths=check_paths, command=command)
+    except ConfigError as e:
+        raise _note_preset_value(e, preset_keys - set(given), origin) from None
     return cfg
+
+
+def _dotted_keys(data: Any, prefix: str = "") -> set[str]:
+    """Every dotted key a preset mapping sets: its sections and their leaves."""
+    out: set[str] = set()
+    if isinstance(data, Mapping):
+        for k, v in data.items():
+            key = f"{prefix}{k}"
+            out |= {key, *_dotted_keys(v, key + ".")}
+    return out
+
+
+def _override_keys(overrides: Iterable[str]) -> list[str]:
+    """The dotted keys the ``key=value`` overrides set (aliases resolved)."""
+    keys = [text.partition("=")[0].strip() for text in overrides if "=" in text]
+    return [ALIASES.get(k, k) for k in keys]
+
+
+def _note_preset_value(e: ConfigError, preset_keys: set[str], origin: str) -> ConfigError:
+    """``e`` with "(set by preset 'X'...)" when the key it names is the preset's value, not
+    one the command line gave: the user sees which value to override."""
+    msg = str(e)
+    key = msg.split("config key '", 1)[1].split("'", 1)[0] if "config key '" in msg else None
+    if key is None or key not in preset_keys or "\n" in msg:
+        return e
+    return ConfigError(f"{msg} (set by {origin}: override it with {key}=...)")
+
+
+def _refuse_ignored(cfg: Config, given: list[str]) -> None:
+    """One line for a command-line setting the run would silently ignore: a LoRA setting (not
+    its default) of a full fine-tune, or the section of another algorithm than the run's. A
+    preset's own values are not refused (its LoRA targets when LoRA is turned off)."""
+    for key in given:
+        section = key.split(".", 1)[0]
+        if section == "lora" and key != "lora.enabled" and not cfg.lora.enabled:
+            value = functools.reduce(getattr, key.split(".")[1:], cfg.lora)
+            default = getattr(type(cfg.lora)(), key.split(".")[-1], _MISSING)
+            if "." in key and value != default:
+                raise ConfigError(
+                    f"config key {key!r} is set ({short_repr(value)}) but lora.enabled=false: a "
+                    f"full fine-tune trains every parameter and has no LoRA; remove {key} or "
+                    "set lora.enabled=true"
+                )
+        if section in ALGORITHMS and section != cfg.algorithm:
+            leaf = key.partition(".")[2]
+            own = f"{cfg.algorithm}.{leaf}" if leaf else cfg.algorithm
+            alt = f" (this run's is {own})" if leaf and own in valid_keys() else ""
+            raise ConfigError(
+                f"config key {key!r} is a setting of algorithm={section}, but this run's "
+                f"algorithm is {cfg.algorithm}: it would be ignored; remove it{alt} or set "
+                f"algorithm={section}"
+            )
 
 
 # -- back to plain data ------------------------------------------------------------------------

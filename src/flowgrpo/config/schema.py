@@ -173,6 +173,14 @@ class SampleConfig:
     window_hi: int | None = setting(
         None, "Window end bound (exclusive); null = the last stochastic step + 1."
     )
+    window_draw: str = setting(
+        "sample",
+        "How the window's start is drawn: `sample` (each sample its own: every step trains "
+        "all window positions) or `step` (one start per training step for every sample and "
+        "rank, drawn from seed and step: Flow-Factory's draw per epoch, Flow-GRPO's per "
+        "rollout batch).",
+        check=one_of("sample", "step"),
+    )
     timestep_fraction: float = setting(
         1.0,
         "Without a window: train the first fraction of the stochastic steps.",
@@ -226,6 +234,13 @@ class SampleConfig:
                 "sample.noise_level",
                 "in [0, 1] for sde_type 'cps'",
                 self.noise_level,
+            )
+        if self.window_draw != "sample":
+            need(
+                self.window_size > 0,
+                "sample.window_draw",
+                "'sample' without a window (sample.window_size 0)",
+                self.window_draw,
             )
         if self.window_size > 0:
             avail = self.stochastic_steps()
@@ -342,8 +357,8 @@ class RunConfig:
     )
     progress_bar: bool = setting(
         True,
-        "Show a progress bar with step, reward and ETA; false (cluster logs): a line every "
-        "`trainer.log_every` steps instead.",
+        "Show a progress bar with step, reward and ETA (on a terminal); false, or output to a "
+        "pipe or file: a line every `trainer.log_every` steps (and at least every 60 s).",
     )
     num_threads: int = setting(
         0,

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from flowgrpo.settings import (
     DTYPES,
-    ConfigError,
     between,
     check_section,
     ge,
@@ -37,14 +36,9 @@ class LoraConfig:
         "Module names to adapt; null = the model family's defaults; `all-linear` = every Linear.",
     )
     dropout: float = setting(0.0, "LoRA dropout.", check=between(0, 1, hi_open=True))
-
-    def check(self) -> None:
-        if not self.enabled and self.target_modules is not None:
-            raise ConfigError(
-                f"config key 'lora.target_modules' is set ({self.target_modules!r}) but "
-                "lora.enabled=false: a full fine-tune trains every parameter; remove "
-                "lora.target_modules or set lora.enabled=true"
-            )
+    # With enabled=false the other keys are ignored: a preset's LoRA targets stay harmless when
+    # a user turns LoRA off; a LoRA key given on the command line with LoRA off is refused
+    # (flowgrpo.config.loader).
 
 
 @dataclass

@@ -16,6 +16,7 @@ A module without them is one component, the pipeline's ``transformer``.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,18 @@ def component_classes(model: nn.Module) -> dict[str, type]:
     if not hasattr(model, "split_state_dict"):
         return {}
     return {name: type(child) for name, child in model.named_children()}
+
+
+def readable_by_all(*paths: Path) -> None:
+    """Give exported files (recursively under folders) the mode of a normal file, 0666 less
+    the umask (0644 under the usual 022): safetensors writes its files 0600, and an export
+    holds no secret. Rank 0, after writing."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for f in files:
+            os.chmod(f, 0o666 & ~mask)
 
 
 def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -86,6 +99,7 @@ def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: st
                 LoraBaseMixin._save_lora_weights(
                     folder, {"transformer": layers}, {"transformer": meta}, weight_name=weight_name
                 )
+            readable_by_all(folder / weight_name)
     fdist.barrier()
     return folder / name
 
@@ -116,6 +130,7 @@ def save_full(
                 fresh = cls.from_config(module.config)
             fresh.load_state_dict(part, strict=True, assign=True)
             fresh.save_pretrained(path / component if component else path)
+        readable_by_all(path)
     fdist.barrier()
     return path
 

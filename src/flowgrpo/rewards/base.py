@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
-import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,6 +20,7 @@ import torch
 
 from flowgrpo.rewards.spec import RewardSpec, check_frames, check_labels, parse_reward_specs
 from flowgrpo.rewards.video import frame_indices
+from flowgrpo.settings import did_you_mean
 
 RewardOutput = Sequence[float] | torch.Tensor | Mapping[str, Sequence[float] | torch.Tensor]
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], RewardOutput]
@@ -92,10 +92,9 @@ def _resolve(name: str) -> Any:
     if ":" in name:
         return _import_path(name)
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(name, _REGISTRY)
         raise ValueError(
-            f"unknown reward {name!r}{hint} Registered rewards: {', '.join(registered_rewards())} "
+            f"unknown reward {name!r}{hint}; registered rewards: {', '.join(registered_rewards())} "
             "(or give an import path 'package.module:function')"
         )
     obj = _REGISTRY[name]

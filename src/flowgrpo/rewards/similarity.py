@@ -16,14 +16,29 @@ With several (Edit-Plus), ``source="mean"`` (the default) averages the similarit
 every source brings content the result should keep and none is privileged unless the task
 says so; ``source=i`` compares with source i only (flow_grpo's dual-reference Edit-Plus run
 scores the second input, i.e. ``source: 1``). With one source both are the same.
+
+``preprocess="flow_grpo_scorer"`` prepares the pixels as flow_grpo's scorer does instead (the
+counting_edit presets set it): ``ClipScorer._process`` (zhtmike/flow_grpo@9745241
+flow_grpo/clip_scorer.py:22-28, 38-43) runs torchvision's ``T.Resize(224)`` (bilinear,
+antialiased, the long side ``int(224 · long / short)``) and ``T.CenterCrop`` (offset
+``round((size − crop) / 2)``) on the float tensor, and the training scripts give it the source
+already resized to the output size with Pillow's default filter
+(``ref_image.resize((resolution, resolution))``, scripts/train_qwenimage_edit.py:614,
+train_flux_kontext.py:582): here the source is resized to the result's size that way.
+The default ``"clip"`` is the CLIP image processor's form (bicubic, the file's source).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from flowgrpo.rewards.clip import (
     _DTYPES,
@@ -47,6 +62,7 @@ class ImageSimilarity:
         dtype: str = "float32",
         batch_size: int = 32,
         source: str | int = "mean",
+        preprocess: str = "clip",
     ) -> None:
         name = self.reward_name
         check_model_options(
@@ -62,6 +78,11 @@ class ImageSimilarity:
                 f"reward {name!r}: source must be 'mean' or a source index (0, 1, ...), "
                 f"got {source!r}"
             )
+        if preprocess not in ("clip", "flow_grpo_scorer"):
+            raise ValueError(
+                f"reward {name!r}: preprocess must be 'clip' or 'flow_grpo_scorer', got {preprocess!r}"
+            )
+        self.preprocess_mode = preprocess
         from transformers import AutoConfig, CLIPConfig, CLIPVisionModelWithProjection
 
         self.device = torch.device(device)
@@ -72,9 +93,15 @@ class ImageSimilarity:
             vision = config.vision_config  # the top-level projection_dim, not the vision
             vision.projection_dim = config.projection_dim  # config's default (512)
             config = vision
-        self.model = CLIPVisionModelWithProjection.from_pretrained(
-            path, config=config, local_files_only=True, dtype=_DTYPES[dtype]
-        )
+        with _no_load_report():  # a CLIPModel folder's text tower is "unexpected" by design
+            self.model, info = CLIPVisionModelWithProjection.from_pretrained(
+                path,
+                config=config,
+                local_files_only=True,
+                dtype=_DTYPES[dtype],
+                output_loading_info=True,
+            )
+        _warn_unless_only_text_unused(name, path, info)
         self.model.to(self.device).eval().requires_grad_(False)
         image_size = int(self.model.config.image_size)
         self.resize, self.crop, self.mean, self.std = image_transform(
@@ -83,7 +110,22 @@ class ImageSimilarity:
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> pixel_values [B, 3, crop, crop] (normalised)."""
+        if self.preprocess_mode == "flow_grpo_scorer":
+            return flow_grpo_pixels(images, self.resize, self.crop, self.mean, self.std)
         return preprocess_images(images, self.resize, self.crop, self.mean, self.std)
+
+    def prepare_source(self, source: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """A source [3, H, W] in [0, 1] -> pixel_values [3, crop, crop]; with ``flow_grpo_scorer``
+        first resized to the result's ``size`` (h, w) as flow_grpo's scripts do (8-bit,
+        Pillow's default filter)."""
+        if self.preprocess_mode == "flow_grpo_scorer" and tuple(source.shape[-2:]) != size:
+            from PIL import Image
+
+            u8 = (source.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            pil = Image.fromarray(u8).resize((size[1], size[0]))  # Pillow's default filter
+            source = torch.frombuffer(bytearray(pil.tobytes()), dtype=torch.uint8)
+            source = source.view(size[0], size[1], 3).permute(2, 0, 1).float() / 255
+        return self.preprocess(source.unsqueeze(0))[0]
 
     @torch.no_grad()
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -136,9 +178,68 @@ class ImageSimilarity:
                 key.update(repr(tuple(x.shape)).encode())
                 row.append(index.setdefault(key.digest(), len(pixels)))
                 if row[-1] == len(pixels):
-                    pixels.append(self.preprocess(x.unsqueeze(0))[0])
+                    pixels.append(self.prepare_source(x, tuple(images.shape[-2:])))
             rows.append(row)
         sources = self.embed(torch.stack(pixels))
         return torch.stack(
             [(sources[row] @ results[b]).mean() for b, row in enumerate(rows)]
         ).float()
+
+
+#: the parts of a full CLIPModel that the vision model leaves unused
+_TEXT_PARTS = ("text_model.", "text_projection.", "logit_scale")
+
+
+@contextmanager
+def _no_load_report() -> Iterator[None]:
+    """transformers' "LOAD REPORT" (a ~23-line table per rank) silenced for one load: loading
+    the vision tower of a full CLIPModel folder leaves its text tower unused, as intended;
+    ``_warn_unless_only_text_unused`` reports anything else in one line."""
+    log = logging.getLogger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _warn_unless_only_text_unused(name: str, path: str, info: dict) -> None:
+    """One warning line when the load left vision weights missing or mismatched, or used none
+    of some checkpoint weights other than a CLIPModel's text tower."""
+    missing = list(info.get("missing_keys") or [])
+    mismatched = [
+        str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []
+    ]
+    unused = [k for k in info.get("unexpected_keys") or [] if not k.startswith(_TEXT_PARTS)]
+    parts = [
+        f"{what} {len(keys)} (e.g. {sorted(keys)[0]})"
+        for what, keys in (("missing", missing), ("mismatched", mismatched), ("unused", unused))
+        if keys
+    ]
+    if parts:
+        warnings.warn(
+            f"reward {name!r}: the CLIP vision model in {path} loaded with weights "
+            f"{', '.join(parts)}: is it a CLIP model folder?",
+            stacklevel=3,
+        )
+
+
+def flow_grpo_pixels(
+    images: torch.Tensor, resize: int, crop: int, mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """torchvision's ``T.Compose([T.Resize(resize), T.CenterCrop(crop), T.Normalize(mean,
+    std)])`` on a float [B, C, H, W] tensor, in torch: shortest side to ``resize`` bilinear
+    (antialiased, long side truncated), centre crop at the rounded offset, (x − mean) / std."""
+    x = images.float()
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
+    h, w = x.shape[-2:]
+    short, long = min(h, w), max(h, w)
+    new_long = int(resize * long / short)
+    size = (resize, new_long) if h <= w else (new_long, resize)
+    if size != (h, w):
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
+    top, left = int(round((size[0] - crop) / 2.0)), int(round((size[1] - crop) / 2.0))
+    x = x[..., top : top + crop, left : left + crop]
+    return (x - mean) / std

@@ -27,6 +27,19 @@ class SDEWindow:
     lo: int = 0
     hi: int | None = None
 
+    def drawn_once(self, available: int, *, seed: int, step: int) -> SDEWindow:
+        """The window with its start drawn once for training step ``step``, uniformly in
+        [lo, hi - size], from ``seed`` and ``step`` alone (every sample and rank of the step
+        shares it, a resumed run draws it again): Flow-Factory's draw (one set of SDE steps
+        per epoch from ``seed + epoch``), which flow_grpo's Fast pipelines make once per
+        rollout batch. ``available``: the stochastic steps (hi's default)."""
+        hi = available if self.hi is None else self.hi
+        if self.size < 1 or self.lo < 0 or hi - self.size < self.lo:
+            raise ValueError(f"sde_window {self} does not fit in {available} stochastic steps")
+        g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % 2**63)
+        start = int(torch.randint(self.lo, hi - self.size + 1, (1,), generator=g))
+        return SDEWindow(self.size, start, start + self.size)
+
 
 @dataclass
 class Trajectory:

@@ -119,8 +119,25 @@ def write_final_report(
     }
     logger.close_progress()  # the bar ends once, above the table (not redrawn around it)
     logger.write(summary_table(summary["base"], summary["final"]))
-    logger.write(f"{summary['steps']} steps, {summary['wall_s']:.0f} s, outputs in {out}")
+    logger.write(
+        f"{steps_done(summary['steps'], logger.start_step)}, {summary['wall_s']:.0f} s, "
+        f"outputs in {out}"
+    )
     return paths
+
+
+def steps_done(last: int, start: int) -> str:
+    """What this process trained: ``40 steps``; resumed: ``steps 31-40 (resumed at step 30)``;
+    none: ``no step to train (the run had finished at step 40; its final weights evaluated
+    again)``."""
+    if start > 0 and last <= start:
+        return (
+            f"no step to train (the run had finished at step {last}; its final weights "
+            "evaluated again)"
+        )
+    if start > 0:
+        return f"steps {start + 1}-{last} (resumed at step {start})"
+    return f"{last} steps"
 
 
 def summary_table(base: Mapping[str, float], final: Mapping[str, float]) -> str:
@@ -172,15 +189,17 @@ def startup_banner(
     output_dir: str | Path,
     resumed_from: str | Path | None = None,
     planned: str | None = None,
+    num_frames: int | None = None,
 ) -> str:
     """What a run is about to do, printed once by rank 0 before the base eval: the algorithm,
     the ranks and how they split (replicas x FSDP shards x sequence-parallel groups), the
-    trainable parameters, the images of a step, the output folder and ``planned`` (the memory
-    planner's line, when it can plan the model)."""
+    trainable parameters, the images (videos of ``num_frames`` frames) of a step, the output
+    folder and ``planned`` (the memory planner's line, when it can plan the model)."""
     fs, s = cfg.fsdp, cfg.sample
     lay = parallel_layout(world_size, fs.replicate_degree, fs.sp_degree)
     rep, sp, dp, shard = lay.replicate, lay.sp, lay.dp, lay.dp_shard
     images = s.prompts_per_step * s.group_size
+    what = "images" if num_frames is None else "videos"
     if cfg.lora.enabled:
         how = f"LoRA r {cfg.lora.rank}, alpha {cfg.lora.alpha:g}"
     else:
@@ -191,8 +210,9 @@ def startup_banner(
         f"flowgrpo train: {cfg.algorithm} on {cfg.model.path} (preset {cfg.preset})",
         f"  ranks      {layout}; {dp} data-parallel rank(s)",
         f"  trainable  {trainable:,} of {total:,} parameters ({how})",
-        f"  each step  {s.prompts_per_step} prompts x {s.group_size} samples = {images} images"
-        f" ({images // dp} per data-parallel rank), {cfg.model.width}x{cfg.model.height} px",
+        f"  each step  {s.prompts_per_step} prompts x {s.group_size} samples = {images} {what}"
+        f" ({images // dp} per data-parallel rank), {cfg.model.width}x{cfg.model.height} px"
+        + ("" if num_frames is None else f", {num_frames} frames"),
         f"  steps      {cfg.trainer.max_steps} (eval every {cfg.trainer.eval_every}, "
         f"checkpoint every {cfg.trainer.save_every})",
         f"  output     {output_dir}",
@@ -205,6 +225,18 @@ def startup_banner(
 
 
 # -- the per-run logger ----------------------------------------------------------------------
+
+#: without the bar, a line at least this often (s) whatever ``log_every`` says
+LINE_EVERY_S = 60.0
+
+
+def wants_bar(requested: bool, stream: Any = None) -> bool:
+    """Whether a run draws the progress bar: asked for (``run.progress_bar``) and its stream
+    (stderr) is a terminal. A pipe or a log file gets plain step lines instead: a bar redrawn
+    with carriage returns shows nothing there until the run ends."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return bool(requested and isatty is not None and isatty())
 
 
 class RunLogger:
@@ -238,7 +270,7 @@ class RunLogger:
         self._wandb = None
         self._bar = None
         self.total_steps, self.start_step = int(total_steps), int(start_step)
-        self._t0 = time.perf_counter()
+        self._t0 = self._last_line = time.perf_counter()
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,7 +337,12 @@ class RunLogger:
                 post["eval"] = f"{row['eval/reward_mean']:.3f}"
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
-        elif int(row["step"]) % self.log_every == 0 or int(row["step"]) == self.total_steps:
+        elif (
+            int(row["step"]) % self.log_every == 0
+            or int(row["step"]) == self.total_steps
+            or time.perf_counter() - self._last_line >= LINE_EVERY_S
+        ):
+            self._last_line = time.perf_counter()
             self.write(step_line(row, self.total_steps, self.eta_s(int(row["step"]))))
 
     def eta_s(self, step: int) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,7 @@ from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
-from flowgrpo.trainer.logging import RunLogger, startup_banner, write_final_report
+from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
@@ -472,7 +473,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         wandb_project=cfg.run.wandb_project,
         run_name=cfg.run.name,
         config=config_to_dict(cfg),
-        progress=cfg.run.progress_bar,
+        progress=wants_bar(cfg.run.progress_bar),  # a pipe or a log file: step lines
         log_every=tr.log_every,
     )
     logger.write(
@@ -485,6 +486,7 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             output_dir=out,
             resumed_from=None if resume_from is None else f"{resume_from} (step {state['step']})",
             planned=setup.planned_memory(cfg, dist) if dist.is_main else None,
+            num_frames=run.num_frames,
         )
     )
     if run.engine.optim_changes:
@@ -639,5 +641,13 @@ def run_export_lora(
             "add --full to write the whole transformer with save_pretrained"
         )
     run = _restored(cfg, checkpoint, "export")
+    ema, steps = run.engine.ema, run.engine.optimizer_steps
+    if not raw and ema is not None and steps < ema.update_every and run.dist.is_main:
+        print(  # the EMA still holds the initial weights: an export of them changes nothing
+            f"flowgrpo: warning: the EMA has not been updated yet ({steps} optimizer steps, "
+            f"ema.update_every={ema.update_every}): it holds the initial weights, so this "
+            "export equals the untrained model; --raw exports the trained weights",
+            file=sys.stderr,
+        )
     with run.ema(not raw):
         return Path(run.engine.save_full(out_file) if full else run.engine.export_lora(out_file))
