@@ -37,6 +37,9 @@ _REGISTRY: dict[str, Any] = {
     "remote": "flowgrpo.rewards.remote:RemoteReward",
     "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
     "image_similarity": "flowgrpo.rewards.similarity:ImageSimilarity",
+    "hpsv2": "flowgrpo.rewards.hps:HPSv2",
+    "image_reward": "flowgrpo.rewards.image_reward:ImageReward",
+    "aesthetic": "flowgrpo.rewards.aesthetic:Aesthetic",
 }
 
 
