@@ -36,6 +36,12 @@ def holds_run(folder: str | Path) -> bool:
 
 
 PATH_REWARDS = ("pickscore", "clip_score", "image_similarity")  # CLIP rewards: options.path
+#: preference-model rewards: the options naming their local files (docs/rewards.md)
+FILE_REWARDS = {
+    "hpsv2": ("path", "processor_path"),
+    "image_reward": ("path", "processor_path"),
+    "aesthetic": ("path", "clip_path"),
+}
 
 
 def _check_prompt_file(key: str, path: str) -> None:
@@ -230,6 +236,12 @@ def _check_paths(cfg: Config, command: str) -> None:
                     f"reward {r.name!r} needs options.path, a local CLIPModel directory: "
                     f"set reward.{r.label}.options.path=/path/to/model"
                 )
+            for opt in FILE_REWARDS.get(r.name, ()):
+                if not r.options.get(opt):
+                    raise ConfigError(
+                        f"reward {r.name!r} needs options.{opt} (a local file or folder, "
+                        f"docs/rewards.md): set reward.{r.label}.options.{opt}=..."
+                    )
         _check_reward_paths(cfg)
     res = cfg.trainer.resume
     if command == "train" and res not in (None, "", "auto") and not Path(res).expanduser().exists():

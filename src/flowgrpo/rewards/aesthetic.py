@@ -11,6 +11,8 @@ The score is the predicted rating, ~1-10 (most generated images 4-7).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flowgrpo.rewards._prefs import (
@@ -21,7 +23,7 @@ from flowgrpo.rewards._prefs import (
     pil_resize_crop,
 )
 from flowgrpo.rewards.clip import CLIP_MEAN, CLIP_STD
-from flowgrpo.rewards.image_reward import load_head
+from flowgrpo.rewards.image_reward import RewardHead, load_head
 
 
 class Aesthetic:
@@ -50,21 +52,34 @@ class Aesthetic:
         )
         from transformers import CLIPModel
 
-        self.device = torch.device(device)
-        self.batch_size = int(batch_size)
-        self.head = load_head(load_state_dict(path, self.reward_name), "", self.reward_name)
+        head = load_head(load_state_dict(path, self.reward_name), "", self.reward_name)
         clip = CLIPModel.from_pretrained(clip_path, local_files_only=True, dtype=DTYPES[dtype])
         dim = clip.config.projection_dim
-        if self.head.layers[0].in_features != dim:
+        if head.layers[0].in_features != dim:
             raise ValueError(
                 f"reward {self.reward_name!r}: the MLP in {path!r} takes "
-                f"{self.head.layers[0].in_features}-d embeddings, the CLIP in {clip_path!r} "
+                f"{head.layers[0].in_features}-d embeddings, the CLIP in {clip_path!r} "
                 f"gives {dim}-d (ViT-L/14 gives 768)"
             )
-        self.vision, self.projection = clip.vision_model, clip.visual_projection
-        for m in (self.vision, self.projection, self.head):
+        self._attach(clip, head, device, batch_size)
+
+    def _attach(self, clip: Any, head: RewardHead, device: str, batch_size: int) -> None:
+        self.device = torch.device(device)
+        self.batch_size = int(batch_size)
+        self.vision, self.projection, self.head = (
             m.to(self.device).eval().requires_grad_(False)
+            for m in (clip.vision_model, clip.visual_projection, head)
+        )
         self.image_size = int(clip.config.vision_config.image_size)
+
+    @classmethod
+    def from_model(
+        cls, clip: Any, head: RewardHead, *, device: str = "cpu", batch_size: int = 32
+    ) -> Aesthetic:
+        """The reward on a CLIPModel and MLP head already in memory (the benchmark's)."""
+        self = cls.__new__(cls)
+        self._attach(clip, head, device, batch_size)
+        return self
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> pixel_values as CLIP's ``_transform(224)``."""

@@ -13,6 +13,8 @@ antialiased bicubic tensor resize to 224, centre crop, OpenAI mean/std).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flowgrpo.rewards._prefs import (
@@ -59,20 +61,33 @@ class HPSv2:
 
         from flowgrpo.rewards.convert import open_clip_config, open_clip_to_hf
 
-        self.device = torch.device(device)
-        self.batch_size = int(batch_size)
-        self.tokenizer = AutoTokenizer.from_pretrained(processor_path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(processor_path, local_files_only=True)
         sd = load_state_dict(path, self.reward_name)
         config = open_clip_config(
             sd,
             **VIT_H14,
-            bos_token_id=self.tokenizer.bos_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
         )
-        self.model = build_from_state_dict(CLIPModel, config, open_clip_to_hf(sd), DTYPES[dtype])
-        self.model.to(self.device)
-        self.image_size = int(config.vision_config.image_size)
-        self.context_length = int(config.text_config.max_position_embeddings)
+        model = build_from_state_dict(CLIPModel, config, open_clip_to_hf(sd), DTYPES[dtype])
+        self._attach(model, tokenizer, device, batch_size)
+
+    def _attach(self, model: Any, tokenizer: Any, device: str, batch_size: int) -> None:
+        self.device = torch.device(device)
+        self.batch_size = int(batch_size)
+        self.tokenizer = tokenizer
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.image_size = int(model.config.vision_config.image_size)
+        self.context_length = int(model.config.text_config.max_position_embeddings)
+
+    @classmethod
+    def from_model(
+        cls, model: Any, tokenizer: Any, *, device: str = "cpu", batch_size: int = 16
+    ) -> HPSv2:
+        """The reward on a converted ``CLIPModel`` already in memory (the benchmark's)."""
+        self = cls.__new__(cls)
+        self._attach(model, tokenizer, device, batch_size)
+        return self
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> pixel_values as open_clip's eval transform makes them."""

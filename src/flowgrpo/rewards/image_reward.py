@@ -16,6 +16,8 @@ reproduced (``_prefs.pil_resize_crop``). Prompts: BLIP's BERT tokenizer ([DEC], 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -88,12 +90,9 @@ class ImageReward:
 
         from flowgrpo.rewards.convert import blip_configs, blip_to_hf
 
-        self.device = torch.device(device)
-        self.batch_size = int(batch_size)
         tok = AutoTokenizer.from_pretrained(processor_path, local_files_only=True)
         tok.add_special_tokens({"bos_token": "[DEC]"})  # BLIP blip.py init_tokenizer
         tok.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
-        self.tokenizer = tok
         sd = load_state_dict(path, self.reward_name)
         vision_cfg, text_cfg = blip_configs(sd)
         if len(tok) > text_cfg.vocab_size:
@@ -103,14 +102,36 @@ class ImageReward:
             )
         vision_sd, text_sd = blip_to_hf(sd)
         dt = DTYPES[dtype]
-        self.vision = build_from_state_dict(BlipVisionModel, vision_cfg, vision_sd, dt)
-        self.text = build_from_state_dict(
-            BlipTextModel, text_cfg, text_sd, dt, add_pooling_layer=False
+        vision = build_from_state_dict(BlipVisionModel, vision_cfg, vision_sd, dt)
+        text = build_from_state_dict(BlipTextModel, text_cfg, text_sd, dt, add_pooling_layer=False)
+        self._attach(vision, text, load_head(sd, "mlp.", self.reward_name), tok, device, batch_size)
+
+    def _attach(
+        self, vision: Any, text: Any, mlp: Any, tokenizer: Any, device: str, batch_size: int
+    ) -> None:
+        self.device = torch.device(device)
+        self.batch_size = int(batch_size)
+        self.tokenizer = tokenizer
+        self.vision, self.text, self.mlp = (
+            m.to(self.device).eval().requires_grad_(False) for m in (vision, text, mlp)
         )
-        self.mlp = load_head(sd, "mlp.", self.reward_name)
-        for m in (self.vision, self.text, self.mlp):
-            m.to(self.device)
-        self.image_size = int(vision_cfg.image_size)
+        self.image_size = int(vision.config.image_size)
+
+    @classmethod
+    def from_model(
+        cls,
+        vision: Any,
+        text: Any,
+        mlp: RewardHead,
+        tokenizer: Any,
+        *,
+        device: str = "cpu",
+        batch_size: int = 16,
+    ) -> ImageReward:
+        """The reward on converted BLIP towers and head already in memory (the benchmark's)."""
+        self = cls.__new__(cls)
+        self._attach(vision, text, mlp, tokenizer, device, batch_size)
+        return self
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> pixel_values as ImageReward's ``_transform(224)``."""
