@@ -10,7 +10,10 @@ and ``site/`` (unpacked wheels: torchvision 0.28, timm, ftfy, wcwidth, and a ``f
 stub whose ``checkpoint_wrapper`` returns its module: it only serves gradient checkpointing).
 torchvision's C ops do not load beside torch 2.13; their schemas are defined (never called) so
 that its Python transforms import. transformers 5 moved three helpers med.py imports from
-``modeling_utils``; they are put back. Neither changes any forward."""
+``modeling_utils``, and two ``PreTrainedModel`` helpers (``invert_attention_mask``,
+``get_head_mask``); they are put back, and med.py's ``init_weights`` (whose transformers 5
+version needs ``post_init``) is skipped: every weight is drawn by the test. None of this
+changes a forward."""
 
 import gzip
 import json
@@ -25,6 +28,19 @@ from tests.rewards import pref_refs as ref
 
 from flowgrpo.rewards import build_reward
 
+# The folder, once (run from the repository root, U=build/prefs_upstream):
+#   pip download --no-deps -d $U/whl torchvision==0.28.0 timm ftfy wcwidth
+#   mkdir -p $U/site $U/src && for w in $U/whl/*.whl; do unzip -q -o $w -d $U/site; done
+#   mkdir -p $U/site/fairscale/nn/checkpoint && touch $U/site/fairscale/__init__.py \
+#     $U/site/fairscale/nn/__init__.py $U/site/fairscale/nn/checkpoint/__init__.py && echo \
+#     'def checkpoint_wrapper(m, *a, **k): return m' \
+#     > $U/site/fairscale/nn/checkpoint/checkpoint_activations.py
+#   git -C CLIP archive d05afc4 clip | tar x -C $U/src
+#   git -C HPSv2 archive 866735e hpsv2/src/open_clip | tar x -C $U/src
+#   git -C ImageReward archive c1392c6 ImageReward/ImageReward.py ImageReward/models/BLIP \
+#     | tar x -C $U/src
+#   git -C ImageReward show c1392c6:train/src/config/med_config.json > $U/src/med_config.json
+# then FLOWGRPO_PREF_UPSTREAM=$U pytest tests/rewards/test_rewards_prefs_upstream.py (~70 s).
 UP = os.environ.get("FLOWGRPO_PREF_UPSTREAM")
 pytestmark = [
     pytest.mark.slow,
@@ -169,6 +185,20 @@ def test_image_reward_equals_image_reward_score(upstream, tmp_path, shape, monke
         return VisionTransformer(img_size=image_size, patch_size=16, embed_dim=256, depth=2,
                                  num_heads=4), 256  # fmt: skip
 
+    # transformers 5's init_weights needs attributes its post_init sets, which med.py's 4.x-era
+    # BertModel never calls; every weight is drawn below anyway
+    monkeypatch.setattr(bp.BertModel, "init_weights", lambda self: None)
+    # two PreTrainedModel helpers med.py calls that transformers 5 dropped, as 4.x had them
+    # (an all-ones encoder mask and no head mask: both are no-ops here)
+    monkeypatch.setattr(
+        bp.BertModel,
+        "invert_attention_mask",
+        lambda self, m: (1.0 - m[:, None, None, :].float()) * torch.finfo(torch.float32).min,
+        raising=False,
+    )
+    monkeypatch.setattr(
+        bp.BertModel, "get_head_mask", lambda self, hm, n, *a: [None] * n, raising=False
+    )
     monkeypatch.setattr(bp, "create_vit", tiny_vit)
     monkeypatch.setattr(bp, "init_tokenizer", lambda: tok)
     model = ImageReward(med_config=str(tmp_path / "med_config.json"), device="cpu").eval()
@@ -194,7 +224,9 @@ def test_aesthetic_equals_laion_predictor(upstream, tmp_path, shape):
 
     # an OpenAI CLIP state dict (ViT-L/14's layout, tiny), built by clip's own CLIP class
     net = clip.model.CLIP(64, 56, 2, 128, 14, 77, 49408, 64, 1, 1)
-    sd = ref.randomize_(net, seed=13).state_dict()
+    # OpenAI publishes its CLIP weights in fp16 and build_model casts to fp16: draw values
+    # fp16 holds exactly, so both sides hold the same numbers
+    sd = {k: v.half().float() for k, v in ref.randomize_(net, seed=13).state_dict().items()}
     model = build_model({k: v.clone() for k, v in sd.items()}).float().eval()  # as clip.load
     mlp = ref.randomize_(ref.RewardMLP(64), seed=14, std=0.2)
     torch.save(mlp.state_dict(), tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
