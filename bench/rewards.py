@@ -238,13 +238,14 @@ def bench_rewards(
             load_s = time.perf_counter() - t0
             meta = row.metadata(batch) if row.metadata else [{} for _ in range(batch)]
             reward(images, prompts, meta)  # warm-up
-            times = []
+            times, cpu = [], []
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 reward(images, prompts, meta)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             params = sum(
                 p.numel()
                 for m in vars(reward).values()
@@ -259,6 +260,9 @@ def bench_rewards(
                 "s_per_batch": sec,
                 "images_per_s": batch / sec,
                 "s_per_image": sec / batch,
+                # CPU seconds of this process per image: on a shared machine wall time counts
+                # other jobs' load; threads x wall on an idle machine is about this
+                "cpu_s_per_image": statistics.median(cpu) / batch,
                 "build_s": load_s,
             }
             del reward
@@ -267,11 +271,14 @@ def bench_rewards(
 
 def format_rewards(results: dict[str, dict[str, object]]) -> str:
     """A markdown table of ``bench_rewards``' output (docs/performance.md)."""
-    lines = ["| reward | runs | params (M) | images/s | s/image |", "|---|---|---|---|---|"]
+    lines = [
+        "| reward | runs | params (M) | images/s | s/image (wall) | CPU s/image |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         lines.append(
             f"| `{name}` | {r['arch']} | {r['params_m']} | {r['images_per_s']:.2f} | "
-            f"{r['s_per_image']:.2f} |"
+            f"{r['s_per_image']:.2f} | {r['cpu_s_per_image']:.2f} |"
         )
     return "\n".join(lines)
 
