@@ -48,11 +48,16 @@ def reference_scores(clip, mlp, images):
     return torch.stack(out)
 
 
+@pytest.fixture(scope="module")
+def reward(aesthetic):
+    path = aesthetic[2] / "sac+logos+ava1-l14-linearMSE.pth"
+    clip_path = str(aesthetic[2] / "clip")
+    return build_reward("aesthetic", path=str(path), clip_path=clip_path, batch_size=2)
+
+
 @pytest.mark.parametrize("shape", [(3, 90, 70), (3, 56, 56), (3, 512, 512)])
-def test_aesthetic_equals_reference(aesthetic, shape):
+def test_aesthetic_equals_reference(aesthetic, reward, shape):
     clip, mlp, root = aesthetic
-    path = root / "sac+logos+ava1-l14-linearMSE.pth"
-    reward = build_reward("aesthetic", path=str(path), clip_path=str(root / "clip"), batch_size=2)
     images = torch.rand(3, *shape, generator=torch.Generator().manual_seed(sum(shape)))
     got = reward(images, ["ignored"] * 3, [{}] * 3)
     want = reference_scores(clip, mlp, images)

@@ -58,10 +58,15 @@ def reference_scores(model, tok, images, prompts, size):
     return torch.stack(out)
 
 
+@pytest.fixture(scope="module")
+def reward(hps):
+    _, _, ckpt, tok_dir = hps
+    return build_reward("hpsv2", path=str(ckpt), processor_path=str(tok_dir), batch_size=2)
+
+
 @pytest.mark.parametrize("shape", [(3, 96, 80), (3, 56, 56), (3, 512, 512)])
-def test_hpsv2_equals_reference(hps, shape):
-    model, tok, ckpt, tok_dir = hps
-    reward = build_reward("hpsv2", path=str(ckpt), processor_path=str(tok_dir), batch_size=2)
+def test_hpsv2_equals_reference(hps, reward, shape):
+    model, tok, _, _ = hps
     g = torch.Generator().manual_seed(sum(shape))
     images = torch.rand(3, *shape, generator=g)
     prompts = ["a red cat", "two dogs on a sofa", "a sign that says hello 42"]
@@ -71,7 +76,7 @@ def test_hpsv2_equals_reference(hps, shape):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_hpsv2_conversion_is_checked(hps, tmp_path):
+def test_hpsv2_conversion_is_checked(hps, reward, tmp_path):
     """Weights that differ from the converted ones change the score (the test can fail), and
     a checkpoint in another layout is one line naming the missing key."""
     model, tok, ckpt, tok_dir = hps
@@ -81,9 +86,8 @@ def test_hpsv2_conversion_is_checked(hps, tmp_path):
     torch.save({"state_dict": sd}, bad)
     images = torch.rand(2, 3, 56, 56, generator=torch.Generator().manual_seed(0))
     prompts = ["a cat", "a dog"]
-    good = build_reward("hpsv2", path=str(ckpt), processor_path=str(tok_dir))
     other = build_reward("hpsv2", path=str(bad), processor_path=str(tok_dir))
-    assert (good(images, prompts, [{}] * 2) - other(images, prompts, [{}] * 2)).abs().max() > 1e-4
+    assert (reward(images, prompts, [{}] * 2) - other(images, prompts, [{}] * 2)).abs().max() > 1e-4
     torch.save({"state_dict": {"foo.weight": torch.zeros(2)}}, bad)
     with pytest.raises(ValueError, match="no 'visual.conv1.weight'"):
         build_reward("hpsv2", path=str(bad), processor_path=str(tok_dir))

@@ -55,11 +55,15 @@ def reference_scores(model, tok, images, prompts):
     return torch.tensor(out)
 
 
+@pytest.fixture(scope="module")
+def reward(imagereward):
+    _, _, ckpt, tok_dir = imagereward
+    return build_reward("image_reward", path=str(ckpt), processor_path=str(tok_dir), batch_size=2)
+
+
 @pytest.mark.parametrize("shape", [(3, 80, 100), (3, 64, 64), (1, 512, 512)])
-def test_image_reward_equals_reference(imagereward, shape):
-    model, tok, ckpt, tok_dir = imagereward
-    reward = build_reward("image_reward", path=str(ckpt), processor_path=str(tok_dir))
-    reward.batch_size = 2
+def test_image_reward_equals_reference(imagereward, reward, shape):
+    model, tok, _, _ = imagereward
     g = torch.Generator().manual_seed(sum(shape))
     images = torch.rand(3, *shape, generator=g)
     prompts = ["a red cat", "two dogs on the sofa " * 8, "a sign that says hello 42"]
@@ -69,7 +73,7 @@ def test_image_reward_equals_reference(imagereward, shape):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_image_reward_conversion_is_checked(imagereward, tmp_path):
+def test_image_reward_conversion_is_checked(imagereward, reward, tmp_path):
     model, tok, ckpt, tok_dir = imagereward
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     sd["blip.text_encoder.encoder.layer.1.crossattention.self.value.weight"] *= 1.5
@@ -77,9 +81,8 @@ def test_image_reward_conversion_is_checked(imagereward, tmp_path):
     torch.save(sd, bad)
     images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     prompts = ["a cat", "a dog"]
-    good = build_reward("image_reward", path=str(ckpt), processor_path=str(tok_dir))
     other = build_reward("image_reward", path=str(bad), processor_path=str(tok_dir))
-    assert (good(images, prompts, [{}] * 2) - other(images, prompts, [{}] * 2)).abs().max() > 1e-4
+    assert (reward(images, prompts, [{}] * 2) - other(images, prompts, [{}] * 2)).abs().max() > 1e-4
     del sd["mlp.layers.0.weight"]
     torch.save(sd, bad)
     with pytest.raises(ValueError, match="no mlp.layers.0.weight"):
