@@ -24,6 +24,30 @@ _BLOCK = {
 }
 
 
+_CLIP_KEYS = {
+    "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+    "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+    "visual.class_embedding": "vision_model.embeddings.class_embedding",
+    "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight",
+    "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
+    "visual.ln_post.weight": "vision_model.post_layernorm.weight",
+    "visual.ln_post.bias": "vision_model.post_layernorm.bias",
+    "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+    "positional_embedding": "text_model.embeddings.position_embedding.weight",
+    "ln_final.weight": "text_model.final_layer_norm.weight",
+    "ln_final.bias": "text_model.final_layer_norm.bias",
+    "logit_scale": "logit_scale",
+}
+_VIT_KEYS = {  # BLIP's timm ViT, outside its blocks
+    "cls_token": "embeddings.class_embedding",
+    "pos_embed": "embeddings.position_embedding",
+    "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
+    "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
+    "norm.weight": "post_layernorm.weight",
+    "norm.bias": "post_layernorm.bias",
+}
+
+
 def _need(sd: dict[str, torch.Tensor], key: str, what: str) -> torch.Tensor:
     if key not in sd:
         raise ValueError(f"{what} checkpoint has no {key!r}: not the expected key layout")
@@ -62,7 +86,7 @@ def open_clip_config(
     for w, hw, tower in ((width, vision_head_width, "vision"), (t_width, text_head_width, "text")):
         if w % hw:
             raise ValueError(f"{what} {tower} width {w} is not a multiple of head width {hw}")
-    ids = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))}
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     text = dict(
         vocab_size=t_emb.shape[0],
         hidden_size=t_width,
@@ -111,22 +135,8 @@ def open_clip_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 raise ValueError(f"open_clip checkpoint key {key!r} has no transformers twin")
             out[base + _BLOCK[stem] + "." + kind] = t
             continue
-        simple = {
-            "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
-            "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
-            "visual.class_embedding": "vision_model.embeddings.class_embedding",
-            "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight",
-            "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
-            "visual.ln_post.weight": "vision_model.post_layernorm.weight",
-            "visual.ln_post.bias": "vision_model.post_layernorm.bias",
-            "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
-            "positional_embedding": "text_model.embeddings.position_embedding.weight",
-            "ln_final.weight": "text_model.final_layer_norm.weight",
-            "ln_final.bias": "text_model.final_layer_norm.bias",
-            "logit_scale": "logit_scale",
-        }
-        if key in simple:
-            out[simple[key]] = t
+        if key in _CLIP_KEYS:
+            out[_CLIP_KEYS[key]] = t
         elif key == "visual.proj":
             out["visual_projection.weight"] = t.t().contiguous()
         elif key == "text_projection":
@@ -201,22 +211,14 @@ def blip_to_hf(
     vision: dict[str, torch.Tensor] = {}
     text: dict[str, torch.Tensor] = {}
     v, t = prefix + "visual_encoder.", prefix + "text_encoder."
-    simple = {
-        "cls_token": "embeddings.class_embedding",
-        "pos_embed": "embeddings.position_embedding",
-        "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
-        "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
-        "norm.weight": "post_layernorm.weight",
-        "norm.bias": "post_layernorm.bias",
-    }
     for key, tensor in sd.items():
         if key.startswith(v):
             rest = key[len(v) :]
             m = re.match(r"^blocks\.(\d+)\.(.+)\.(weight|bias)$", rest)
             if m and m[2] in _VIT:
                 vision[f"encoder.layers.{m[1]}.{_VIT[m[2]]}.{m[3]}"] = tensor
-            elif rest in simple:
-                vision[simple[rest]] = tensor
+            elif rest in _VIT_KEYS:
+                vision[_VIT_KEYS[rest]] = tensor
             else:
                 raise ValueError(f"BLIP checkpoint key {key!r} has no transformers twin")
         elif key.startswith(t) and not key.endswith("position_ids"):

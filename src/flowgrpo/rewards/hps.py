@@ -2,8 +2,8 @@
 
 HPS v2(.1) is open_clip's ViT-H-14 fine-tuned on human preferences; its score is the cosine
 of the image and prompt embeddings, ``diag(image_features @ text_features.T)`` with both
-normalised (hpsv2/img_score.py:57-84 at tgxs002/HPSv2@866735e; DanceGRPO and
-Flow-Factory call the same function). open_clip imports torchvision, which cannot be imported
+normalised (hpsv2/img_score.py:57-84 at tgxs002/HPSv2@866735e; DanceGRPO trains against
+the same ``HPS_v2.1_compressed.pt`` through hpsv2's open_clip). open_clip imports torchvision, which cannot be imported
 beside torch 2.13 here, so ``HPS_v2.1_compressed.pt`` (open_clip keys under
 ``state_dict``) is converted at load time into a transformers ``CLIPModel``
 (``convert.open_clip_to_hf``; ViT-H-14's vision head width is 80, model_configs/ViT-H-14.json)
