@@ -405,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
     parser.add_argument(
         "--sections",
-        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,memory,toy,algorithms",
+        default="rollout,batched_cfg,training,zero_advantage,sharding,sp,memory,toy,algorithms,"
+        "rewards",
         help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
-        "sp,memory,toy,algorithms",
+        "sp,memory,toy,algorithms,rewards",
     )
     args = parser.parse_args(argv)
     s = replace(QUICK if args.quick else BenchSettings(), device=args.device)
@@ -457,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         results["algorithms"] = bench_algorithms(quick=args.quick)
         if not args.quick:
             write_report(results["algorithms"])
+    if "rewards" in sections:  # images/s of every built-in reward at 512 px, real sizes
+        from bench.rewards import bench_rewards
+
+        results["rewards"] = bench_rewards(quick=args.quick, device=s.device)
     results["targets"] = check_targets(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -142,6 +142,21 @@ def test_pickscore_needs_a_model_path(tmp_path) -> None:
     assert cfg.reward[0].options == {"path": str(tmp_path)}
 
 
+def test_preference_rewards_need_their_files(tmp_path) -> None:
+    """hpsv2 / image_reward / aesthetic name the option a user left out before anything loads."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    ok = [f"model.path={tmp_path}", f"data.train_prompts={prompts}"]
+    msg = _error(*ok, "reward=hpsv2", preset="flux-pickscore", check_paths=True)
+    assert msg.startswith("reward 'hpsv2' needs options.path")
+    ckpt = tmp_path / "HPS_v2.1_compressed.pt"
+    ckpt.write_bytes(b"")
+    over = [*ok, "reward=aesthetic", f"reward.aesthetic.options.path={ckpt}"]
+    msg = _error(*over, preset="flux-pickscore", check_paths=True)
+    assert msg.startswith("reward 'aesthetic' needs options.clip_path")
+    assert "reward.aesthetic.options.clip_path=" in msg
+
+
 def test_unknown_preset_and_bad_override_syntax() -> None:
     assert _error(preset="sd3ocr").startswith("unknown preset 'sd3ocr' (did you mean 'sd3-ocr'?")
     assert _error("trainer.max_steps").startswith("override 'trainer.max_steps' must look like")

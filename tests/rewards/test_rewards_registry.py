@@ -43,7 +43,7 @@ def test_builtin_names_registered():
     names = registered_rewards()
     for n in ["ocr", "jpeg_compressibility", "jpeg_incompressibility", "digits", "clip_score"]:
         assert n in names
-    assert {"pickscore", "remote"} <= set(names)
+    assert {"pickscore", "remote", "hpsv2", "image_reward", "aesthetic"} <= set(names)
     # lazy: registering digits must not import it
     assert isinstance(rbase._REGISTRY["digits"], str)
 

@@ -36,6 +36,12 @@ def holds_run(folder: str | Path) -> bool:
 
 
 PATH_REWARDS = ("pickscore", "clip_score", "image_similarity")  # CLIP rewards: options.path
+#: preference-model rewards: the options naming their local files (docs/rewards.md)
+FILE_REWARDS = {
+    "hpsv2": ("path", "processor_path"),
+    "image_reward": ("path", "processor_path"),
+    "aesthetic": ("path", "clip_path"),
+}
 
 
 def _check_prompt_file(key: str, path: str) -> None:
@@ -238,6 +244,12 @@ def _check_paths(cfg: Config, command: str) -> None:
                     opt, what = missing[0]
                     raise ConfigError(
                         f"reward 'geneval' needs {what}: set reward.{r.label}.options.{opt}"
+                    )
+            for opt in FILE_REWARDS.get(r.name, ()):
+                if not r.options.get(opt):
+                    raise ConfigError(
+                        f"reward {r.name!r} needs options.{opt} (a local file or folder, "
+                        f"docs/rewards.md): set reward.{r.label}.options.{opt}=..."
                     )
         _check_reward_paths(cfg)
     res = cfg.trainer.resume

@@ -39,6 +39,9 @@ _REGISTRY: dict[str, Any] = {
     "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
     "image_similarity": "flowgrpo.rewards.similarity:ImageSimilarity",
     "vlm_judge": "flowgrpo.rewards.vlm_judge:VlmJudge",
+    "hpsv2": "flowgrpo.rewards.hps:HPSv2",
+    "image_reward": "flowgrpo.rewards.image_reward:ImageReward",
+    "aesthetic": "flowgrpo.rewards.aesthetic:Aesthetic",
 }
 
 
