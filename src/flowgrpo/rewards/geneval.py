@@ -242,7 +242,7 @@ def check_metadata(meta: Any, where: str) -> None:
     non-empty ``include`` list of {class, count >= 1[, color][, position]} clauses."""
     hint = (
         "GenEval metadata ('tag' and 'include', as the records of GenEval's "
-        "evaluation_metadata.jsonl or flow_grpo's dataset/geneval/*_metadata.jsonl; give the "
+        "evaluation_metadata.jsonl or Flow-GRPO's dataset/geneval/*_metadata.jsonl; give the "
         "prompts as such a .jsonl)"
     )
     if not isinstance(meta, Mapping) or "include" not in meta or "tag" not in meta:
