@@ -3,6 +3,9 @@
 ``flowgrpo reward-server --reward ocr --port 8000`` binds 127.0.0.1 unless ``--host`` says
 otherwise. Optional bearer token (401 on mismatch), request size limit (413), ``GET /health``.
 One request is scored at a time (rewards need not be thread-safe); requests queue meanwhile.
+Every request is answered: a backlog of 128 connections waits to be accepted, only ``POST /``
+is scored (other paths: 404), and a refused request (400, 401, 404, 411, 413, 503 with
+``Retry-After``) is answered before the rest of its body is read and dropped.
 
 Memory is bounded by pixels, not only bytes: a PNG of a blank 12000x12000 image is 0.2 MB but
 holds 144 M pixels (0.4 GB as RGB, 1.7 GB as a float32 RGB tensor). Each image's size is read from its PNG header before any
