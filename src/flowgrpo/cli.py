@@ -456,15 +456,17 @@ def report_error(e: BaseException, *, debug: bool = False) -> int:
     that failed first reports; the others, failing because it left, exit quietly."""
     import traceback
 
-    from flowgrpo.engine.dist import claim_error_report
+    from flowgrpo.engine.dist import report_failure_once
 
-    if claim_error_report():
+    def emit() -> None:
         if debug or os.environ.get("FLOWGRPO_TRACEBACK"):
             traceback.print_exception(e, file=sys.stderr)
         message = " ".join(str(e).split()) or type(e).__name__
         if exit_code(e) == 1 and not _names_itself(e):
             message = f"{type(e).__name__}: {message}"
         print(f"flowgrpo: error: {message}", file=sys.stderr, flush=True)
+
+    report_failure_once(emit)
     return exit_code(e)
 
 

@@ -159,3 +159,24 @@ def job(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save(results, out)
     cleanup()
+
+
+# update.num_minibatches > 1: each optimizer step must train on the same global samples at
+# any number of ranks (the split is global); two of the algorithms whose update_loop plans it
+MINIBATCH_CASES = [("flow_grpo", "toy", "lora"), ("nft", "toy", "full")]
+MINIBATCHES = {"update.num_minibatches": 2, "update.micro_batch_size": 1}
+
+
+def job_minibatches(rank: int, world: int, port: int, out: str) -> None:
+    rank_env(rank, world, port)
+    from flowgrpo.engine import cleanup
+
+    results = {}
+    for case in MINIBATCH_CASES:
+        try:
+            results[case] = run(*case, rank=rank, world=world, **MINIBATCHES)
+        except Exception as e:  # noqa: BLE001 - reported by the test, not a hang
+            results[case] = {"error": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        torch.save(results, out)
+    cleanup()

@@ -9,8 +9,11 @@ available, gloo otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -160,19 +163,91 @@ def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def claim_error_report() -> bool:
-    """True for the one rank that reports a failure: the first to claim it in the process
-    group's store (the rank that failed first; the others fail later, when their collectives
-    lose it). A single process always reports; a rank that cannot reach the store does not."""
-    if get_world_size() == 1:
+_REPORTER, _REPORTED, _THROUGH = (
+    "flowgrpo/error_reporter",
+    "flowgrpo/error_reported",
+    "flowgrpo/error_through",
+)
+LAUNCH_STORE_WAIT_S = 30.0  # how long a rank waits for rank 0's store before a launch's group
+
+
+def report_failure_once(emit: Callable[[], None]) -> bool:
+    """Run ``emit()`` (print the failure's line) on the one rank that reports a failure: the
+    first to claim it in a store every rank reaches; True there. The others wait (bounded) until
+    it has emitted before they return and exit, so a launcher that terminates the other ranks
+    when one exits (torchrun) cannot kill the reporter before its line is out.
+
+    Inside a process group its store is used (a rank that cannot reach it, gone with the rank
+    that failed and reported, stays quiet). Before the group exists (a config error, which
+    every rank finds) torchrun's variables name the launch's store: torchrun's agent's, or one
+    rank 0 hosts on MASTER_PORT (then it stays up until every rank is through, at most 10 s);
+    a rank that cannot reach any emits anyway (a line twice beats none). One process: emits."""
+    if dist.is_initialized():
+        if dist.get_world_size() == 1:
+            emit()
+            return True
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=5))
+        except Exception:  # noqa: BLE001 - the store went down with the failing rank
+            return False
+        return _claim(store, str(get_rank()), emit, reach_fails_quietly=True)
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    store, hosting = _launch_store(world) if world > 1 else (None, False)
+    if store is None:
+        emit()
         return True
+    won = _claim(store, os.environ.get("RANK", "0"), emit, reach_fails_quietly=False)
+    with contextlib.suppress(Exception):
+        store.add(_THROUGH, 1)
+        end = time.monotonic() + 10.0
+        while hosting and store.add(_THROUGH, 0) < world and time.monotonic() < end:
+            time.sleep(0.05)  # the others still claim or wait in this rank's store
+    return won
+
+
+def _claim(store: Any, me: str, emit: Callable[[], None], *, reach_fails_quietly: bool) -> bool:
     try:
-        store = dist.distributed_c10d._get_default_store()
+        won = store.compare_set(_REPORTER, "", me).decode() == me
+    except Exception:  # noqa: BLE001 - the store is gone or unreachable
+        if reach_fails_quietly:
+            return False
+        emit()
+        return True
+    if won:
+        emit()
+        with contextlib.suppress(Exception):
+            store.set(_REPORTED, me)
+    else:
+        with contextlib.suppress(Exception):  # the reporter's line first, then this rank exits
+            store.wait([_REPORTED], timedelta(seconds=10))
+    return won
+
+
+def _launch_store(world: int) -> tuple[Any, bool]:
+    """(the store of the launch torchrun's variables describe, whether this rank hosts it), or
+    (None, False) when there is none to reach. Under torchrun's agent (as init_process_group
+    does): a client of the agent's store, keys scoped to this restart attempt; otherwise rank
+    0 hosts one on MASTER_PORT and the others connect to it."""
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        rank = int(os.environ.get("RANK", "0"))
+        wait = timedelta(seconds=LAUNCH_STORE_WAIT_S)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            client = dist.TCPStore(host, port, world, False, wait)
+            return dist.PrefixStore(f"/worker/attempt_{attempt}/flowgrpo", client), False
+        hosting = rank == 0
+        store = dist.TCPStore(host, port, world, hosting, wait, wait_for_workers=False)
         store.set_timeout(timedelta(seconds=5))
-        me = str(get_rank())
-        return store.compare_set("flowgrpo/error_reporter", "", me).decode() == me
-    except Exception:  # noqa: BLE001 - the store went down with the failing rank
-        return False
+        return store, hosting
+    except Exception:  # noqa: BLE001 - no variables, a port taken, no rank 0 to reach
+        return None, False
+
+
+def claim_error_report() -> bool:
+    """True for the one rank that reports a failure (``report_failure_once`` without a line)."""
+    return report_failure_once(lambda: None)
 
 
 def cleanup() -> None:
@@ -189,6 +264,7 @@ __all__ = [
     "all_reduce_mean",
     "all_reduce_min",
     "claim_error_report",
+    "report_failure_once",
     "barrier",
     "build_mesh",
     "cleanup",

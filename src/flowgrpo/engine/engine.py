@@ -220,31 +220,50 @@ class DiffusersFSDPEngine:
         self, rows: torch.Tensor, num_minibatches: int, micro_batch_size: int
     ) -> list[MiniBatch]:
         """Split this rank's samples ``rows`` (local indices to train on) into
-        ``num_minibatches`` optimizer steps of micro-batches, balanced over ranks.
+        ``num_minibatches`` optimizer steps of micro-batches; the split is global, so each
+        optimizer step trains on the same samples whatever the number of ranks.
 
-        The rows are shuffled with the engine's generator (advanced identically on every rank,
-        checkpointed), split evenly, and the counts of every rank all-gathered once (an SP
-        group's ranks hold the same samples: counted once). FSDP averages gradients over the
-        data-parallel ranks, so a sample weighing dp_size / (the minibatch's samples on all of
-        them) makes the update the mean over all of them. Every rank
-        runs as many micro-batches as the rank with the most (zero-weight padding on one local
-        sample) so FSDP's collectives line up, and a minibatch empty on every rank is dropped.
+        The data-parallel ranks' rows are all-gathered once (an SP group's ranks hold the same
+        samples: counted once), in rank order: the global batch in the trainer's sample order
+        (rank r holds the r-th contiguous share). One permutation of the global batch, drawn
+        with the engine's generator (advanced identically on every rank, checkpointed), orders
+        the samples within each minibatch and assigns them: each run of ``num_minibatches``
+        consecutive samples gives one to every minibatch, so a rank's samples are spread evenly
+        over the minibatches (the trainer's draw has already shuffled the samples over ranks).
+        FSDP averages gradients over the data-parallel ranks, so a sample weighing dp_size /
+        (the minibatch's samples on all of them) makes the update the mean over all of them.
+        Every rank runs as many micro-batches as the rank with the most (zero-weight padding on
+        one local sample) so FSDP's collectives line up, and an empty minibatch is dropped.
         ``MiniBatch.total``: its samples on all ranks, for the caller's weights.
         """
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        perm = rows[torch.randperm(len(rows), generator=self.generator)]
-        parts = torch.tensor_split(perm, num_minibatches)
-        counts = torch.tensor([len(mb) for mb in parts], device=self.dist.device)
-        counts = self.dp_rows(fdist.all_gather_tensor(counts[None])).cpu()  # [dp, minibatches]
+        tagged = torch.stack(
+            [torch.full_like(rows.cpu(), self.dp_rank), torch.full_like(rows.cpu(), self.sp_rank)]
+        ).T
+        every = fdist.all_gather_tensor(tagged.to(self.dist.device)).cpu()  # [N_all, 2]
+        owner = every[every[:, 1] == 0, 0].sort(stable=True).values  # dp rank, global order
+        n, m_count = len(owner), int(num_minibatches)
+        key = torch.randperm(n, generator=self.generator)  # the global permutation
+        chunk = torch.arange(n) // m_count
+        order = torch.argsort(chunk * n + key)  # by run of num_minibatches, then by key
+        minibatch = torch.empty(n, dtype=torch.long)
+        minibatch[order] = torch.arange(n) - chunk[order] * m_count
+        local = torch.zeros(n, dtype=torch.long)  # each global sample's place on its rank
+        for r in owner.unique():
+            mask = owner == r
+            local[mask] = torch.arange(int(mask.sum()))
+        by_key = torch.argsort(key)  # the global samples in the permutation's order
         plan = []
-        for m, mb in enumerate(parts):
-            total = int(counts[:, m].sum())
-            if total == 0:  # nothing to learn from on any rank: no update at all
+        for m in range(m_count):
+            members = by_key[minibatch[by_key] == m]
+            if len(members) == 0:  # nothing to learn from on any rank: no update at all
                 continue
-            n_micro = max(-(-int(c) // micro_batch_size) for c in counts[:, m])  # ceil
-            micro = [MicroBatch(c, 1.0) for c in mb.split(micro_batch_size) if len(c)]
+            counts = torch.bincount(owner[members], minlength=self.dp_size)
+            mine = rows[local[members[owner[members] == self.dp_rank]].to(rows.device)]
+            n_micro = max(-(-int(c) // micro_batch_size) for c in counts)  # ceil
+            micro = [MicroBatch(c, 1.0) for c in mine.split(micro_batch_size) if len(c)]
             micro += [MicroBatch(torch.zeros(1, dtype=torch.long), 0.0)] * (n_micro - len(micro))
-            plan.append(MiniBatch(micro, total))
+            plan.append(MiniBatch(micro, len(members)))
         return plan
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:

@@ -14,13 +14,17 @@ The server (server.py) refuses images over its pixel caps with 413, read from th
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
+import http.client
 import io
 import json
 import os
+import socket
+import threading
 import time
 import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Any
 
 import torch
@@ -30,6 +34,8 @@ from flowgrpo.rewards._image import from_pil, to_pil, to_uint8
 from flowgrpo.rewards.base import RewardUnavailable
 
 TOKEN_ENV = "FLOWGRPO_REWARD_TOKEN"
+DEFAULT_MAX_ANSWER_MB = 16.0  # scores are ~20 bytes each: room for 800,000 of them
+MAX_RETRY_AFTER = 60.0  # the longest a 503's Retry-After makes the client wait, in seconds
 
 
 def encode_images(images: torch.Tensor) -> list[str]:
@@ -115,8 +121,11 @@ class RemoteReward:
     """Reward computed by a server (``flowgrpo reward-server``) at ``url``.
 
     Each call POSTs the batch; a connection error or 5xx answer is retried up to ``retries``
-    times with exponential ``backoff`` (s); 4xx answers are not retried. A timeout is not
-    retried either (a server that did not answer within ``timeout`` is hung), and calls
+    times with exponential ``backoff`` (s), a 503 after its ``Retry-After`` (at most 60 s)
+    when it gives one; 4xx answers are not retried. ``timeout`` bounds a whole attempt
+    (connecting, sending, every byte of the answer: a server trickling its answer is cut at
+    the deadline), and an answer over ``max_answer_mb`` is refused unread. A timeout is not
+    retried (a server that did not answer within ``timeout`` is hung), and calls
     made within ``timeout`` seconds after one fail at once: a hung server is reported after
     one timeout. A server that timed out or cannot be reached raises ``RewardUnavailable``,
     other failures RuntimeError, both naming the URL. ``token`` defaults to
@@ -134,27 +143,79 @@ class RemoteReward:
         retries: int = 2,
         backoff: float = 1.0,
         token: str | None = None,
+        max_answer_mb: float = DEFAULT_MAX_ANSWER_MB,
     ) -> None:
         if not url or not str(url).startswith(("http://", "https://")):
             raise ValueError(f"remote reward needs option 'url' (http://host:port/), got {url!r}")
-        if retries < 0 or timeout <= 0:
+        if retries < 0 or timeout <= 0 or max_answer_mb <= 0:
             raise ValueError(
-                f"remote reward: need retries >= 0 and timeout > 0, got {retries}, {timeout}"
+                "remote reward: need retries >= 0, timeout > 0 and max_answer_mb > 0, got "
+                f"{retries}, {timeout}, {max_answer_mb}"
             )
         self.url = str(url)
         self.timeout = float(timeout)
         self.retries = int(retries)
         self.backoff = float(backoff)
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.max_answer_bytes = int(max_answer_mb * 2**20)
         self._timed_out_at: float | None = None  # monotonic time of the last timeout
 
     def _post(self, body: bytes) -> dict:
+        """One attempt: POST ``body`` and parse the answer, all within ``timeout`` seconds
+        (a timer shuts the socket at the deadline: a per-read timeout would let a server
+        that trickles its answer hold the call for ever). HTTPError for a 4xx/5xx."""
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read())
+        url = urllib.parse.urlsplit(self.url)
+        path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        conn = kind(url.hostname, url.port, timeout=self.timeout)
+        expired = threading.Event()
+
+        def cut() -> None:
+            expired.set()
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self.timeout, cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            conn.connect()  # bounded by ``timeout`` itself
+            if expired.is_set():  # the timer fired while connecting: nothing to cut then
+                raise TimeoutError(f"no connection within {self.timeout:g}s")
+            conn.request("POST", path, body, headers)
+            resp = conn.getresponse()
+            data = self._read_answer(resp)
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set():
+                raise TimeoutError(f"no whole answer within {self.timeout:g}s") from None
+            if isinstance(e, OSError):
+                raise
+            raise ConnectionError(f"{type(e).__name__}: {e}") from None
+        finally:
+            timer.cancel()
+            conn.close()
+        if resp.status >= 400:
+            raise urllib.error.HTTPError(
+                self.url, resp.status, resp.reason, resp.headers, io.BytesIO(data)
+            )
+        return json.loads(data)
+
+    def _read_answer(self, resp: http.client.HTTPResponse) -> bytes:
+        """The answer's bytes, at most ``max_answer_bytes`` (read no further: one line)."""
+        cap = self.max_answer_bytes
+        declared = resp.getheader("Content-Length", "")
+        size = int(declared) if declared.isascii() and declared.isdigit() else None
+        data = resp.read(cap + 1) if size is None or size <= cap else b""
+        if size is not None and size > cap or len(data) > cap:
+            raise AnswerTooLarge(
+                f"remote reward at {self.url} sent an answer of "
+                f"{size if size is not None else f'over {cap}'} bytes, over the client's cap "
+                f"of {cap / 2**20:g} MB (option max_answer_mb)"
+            )
+        return data
 
     def __call__(
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
@@ -181,10 +242,10 @@ class RemoteReward:
                 f"({since:.0f}s ago); is the server hung? (GET {self.url}health)"
             )
         attempts = self.retries + 1
-        last, unavailable = "", False
+        last, unavailable, wait = "", False, None
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                time.sleep(self.backoff * 2 ** (attempt - 1) if wait is None else wait)
             try:
                 answer = self._post(body)
                 break
@@ -195,8 +256,11 @@ class RemoteReward:
                         f"remote reward at {self.url} rejected the request: HTTP {e.code} {detail}"
                     ) from None
                 last, unavailable = f"HTTP {e.code} {detail}", False
+                wait = _retry_after(e) if e.code == 503 else None
+            except AnswerTooLarge as e:
+                raise RuntimeError(str(e)) from None
             except json.JSONDecodeError as e:
-                last, unavailable = f"invalid JSON answer: {e}", False
+                last, unavailable, wait = f"invalid JSON answer: {e}", False, None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 if _is_timeout(e):  # hung: a retry would wait as long again
                     self._timed_out_at = time.monotonic()
@@ -206,6 +270,7 @@ class RemoteReward:
                         f"(GET {self.url}health)"
                     ) from None
                 last, unavailable = f"{type(e).__name__}: {getattr(e, 'reason', e)}", True
+                wait = None
         else:
             error = RewardUnavailable if unavailable else RuntimeError
             raise error(
@@ -219,6 +284,21 @@ class RemoteReward:
                 f"remote reward at {self.url} answered without 'scores': {answer!r:.200}"
             )
         return scores
+
+
+class AnswerTooLarge(ValueError):
+    """An answer over the client's ``max_answer_mb``: refused, not retried."""
+
+
+def _retry_after(e: urllib.error.HTTPError) -> float | None:
+    """A 503's ``Retry-After`` in seconds (at most ``MAX_RETRY_AFTER``), None without one (an
+    HTTP date is not read: the backoff applies)."""
+    value = (e.headers.get("Retry-After") or "").strip() if e.headers else ""
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER) if seconds == seconds else None
 
 
 def _is_timeout(e: BaseException) -> bool:
