@@ -20,7 +20,10 @@ is sharded over a shard group of S = gpus / fsdp.replicate_degree ranks:
   calibrated on CPU measurements (``ACT_PER_WIDTH``); with activation checkpointing, each
   block's input plus one block's activations;
 - rollout buffers: this rank's trajectories (fp32 latents of the trained steps, prompt
-  embeddings, decoded images) and the rollout's no-grad forward of ``rollout_batch_size``.
+  embeddings; every rank of a sequence-parallel group holds its group's samples whole) and one
+  rollout chunk's decoded images, and the rollout's no-grad forward of ``rollout_batch_size``.
+  The decoded images of all this rank's samples wait for the rewards in host memory
+  (``(host: decoded images)``, not in the GPU total).
 
 The totals are predictions: measured on CPUs (tests/config/test_memory_planner.py), not yet on
 a GPU.
@@ -50,9 +53,14 @@ ROLLOUT_ACT_FACTOR = 4.0
 #: share of a GPU's memory the plan may use: the rest is the CUDA context, NCCL buffers and
 #: the caching allocator's fragmentation
 USABLE = 0.9
+#: a plan that fits within this share of the usable memory gets a warning: the planner's error
+MARGIN = 0.1
 KNOWN_PREFIX = "known:"
 _TEXT_MARKERS = ("add_", "context", "txt", "attn2.to_k", "attn2.to_v", "text")
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
+#: components counted on the meta device, by (kind, library, class, config, ...): the advice
+#: plans many variants of one run, and building a 20B transformer on meta takes ~0.5 s
+_MEMO: dict[tuple, Any] = {}
 
 
 # -- the model's config files --------------------------------------------------------------------
@@ -92,6 +100,17 @@ def read_model_configs(path: str) -> dict[str, Any]:
     if "transformer" not in out:
         raise ValueError(f"model.path '{path}': no transformer/config.json to plan from")
     return out
+
+
+def preset_model(preset: str | None) -> list[str] | None:
+    """The settings that plan shipped preset ``preset`` on its own model: ``model.path`` of
+    its first config set (``PRESET_MODELS``) and what that row adds; None for other presets."""
+    from flowgrpo.models.registry import PRESET_MODELS
+
+    for name, model, extra in PRESET_MODELS:
+        if name == preset:
+            return [f"model.path={KNOWN_PREFIX}{model}", *extra]
+    return None
 
 
 def build_on_meta(library: str, class_name: str, config: dict[str, Any]) -> Any:
@@ -193,6 +212,11 @@ class Plan:
     def fits(self) -> bool:
         return self.total <= USABLE * self.gpu_gb * GB
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but within ``MARGIN`` of the usable memory."""
+        return self.fits and self.total > (1 - MARGIN) * USABLE * self.gpu_gb * GB
+
 
 def _dtype_bytes(name: str, device: str) -> int:
     return resolve_dtype(name, device).itemsize
@@ -208,8 +232,8 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     """The per-GPU plan of run config ``cfg`` on ``gpus`` GPUs of ``gpu_gb`` GB each."""
     if gpus <= 0:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    if not gpu_gb > 0:
-        raise ValueError(f"--gpu-gb must be > 0, got {gpu_gb}")
+    if not (gpu_gb > 0 and math.isfinite(gpu_gb)):
+        raise ValueError(f"--gpu-gb must be a finite number > 0, got {gpu_gb}")
     if not cfg.model.path:
         raise ValueError(
             "model.path is required: a local diffusers directory (only its config files are "
@@ -226,11 +250,10 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
             f"supported: {', '.join(SUPPORTED_PIPELINES)}"
         )
     fs, m = cfg.fsdp, cfg.model
-    if gpus % (fs.replicate_degree * fs.sp_degree):
-        raise ValueError(
-            f"--gpus {gpus} must be a multiple of fsdp.replicate_degree x fsdp.sp_degree "
-            f"({fs.replicate_degree} x {fs.sp_degree})"
-        )
+    from flowgrpo.config.checks import check_model_run
+
+    # what the trainer refuses, from the same config files (flowgrpo.config.checks)
+    check_model_run(cfg, configs, world_size=gpus, label="--gpus")
     layout = parallel_layout(gpus, fs.replicate_degree, fs.sp_degree)
     shard, dp = layout.shard_group, layout.dp
     wbytes = _dtype_bytes(m.dtype, device)  # the loaded weights (frozen parts, LoRA base)
@@ -247,11 +270,15 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     shapes = []
     for comp in trained:
         lib, cls = index[comp]
-        model = build_on_meta(lib, cls, configs[comp])
         targets = cfg.lora.target_modules
         if targets is None:
             targets = list(adapter_cls.lora_target_modules)
-        shapes.append(transformer_shape(model, targets, cfg.lora.rank))
+        key = ("shape", lib, cls, json.dumps(configs[comp], sort_keys=True), str(targets))
+        key += (cfg.lora.rank,)
+        if key not in _MEMO:
+            model = build_on_meta(lib, cls, configs[comp])
+            _MEMO[key] = transformer_shape(model, targets, cfg.lora.rank)
+        shapes.append(_MEMO[key])
     n_params = sum(s.params for s in shapes)
     n_buffers = sum(s.buffers for s in shapes)  # whole on every rank (FSDP shards parameters)
     n_lora = sum(s.lora_params for s in shapes)
@@ -259,7 +286,10 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     for comp, spec in index.items():
         if comp in trained or comp not in configs or not isinstance(spec, list):
             continue
-        frozen_parts[comp] = _numel(build_on_meta(spec[0], spec[1], configs[comp]))
+        key = ("numel", spec[0], spec[1], json.dumps(configs[comp], sort_keys=True))
+        if key not in _MEMO:
+            _MEMO[key] = _numel(build_on_meta(spec[0], spec[1], configs[comp]))
+        frozen_parts[comp] = _MEMO[key]
 
     algo = getattr(cfg, cfg.algorithm, None)
     from flowgrpo.algorithms import algorithm_class
@@ -323,12 +353,18 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     per_sample = (
         (k + 2) * latent * 4  # latents of the trained steps + the final latents, fp32
         + rows * text_len * text_dim * wbytes  # prompt (and negative) embeddings
-        + 3 * frames * m.height * m.width * 4  # decoded image / video, fp32
     )
     rollout_act = (
         ROLLOUT_ACT_FACTOR * s.rollout_batch_size * rows * (img + txt) * hidden * cbytes / sp
     )
-    parts["rollout buffers"] = local * per_sample
+    # every rank of an SP group samples its group's samples alike (the whole trajectories);
+    # the decoded images / videos go to the host (the adapters' decode returns them on CPU,
+    # the rewards take them there): host memory, not GPU memory, so not in the total
+    decode_chunk = min(local, max(1, s.rollout_batch_size))
+    parts["rollout buffers"] = (
+        local * per_sample + decode_chunk * 3 * frames * m.height * m.width * 4
+    )
+    parts["(host: decoded images)"] = local * 3 * frames * m.height * m.width * 4
     parts["(rollout forward)"] = rollout_act
     plan = Plan(parts, gpus, gpu_gb)
     plan.params = {"trained": n_params, "lora": n_lora, **frozen_parts}
@@ -351,33 +387,151 @@ SUGGESTIONS: list[tuple[str, list[str]]] = [
 ]
 
 
-def suggestions(preset: str | None, overrides: list[str], plan: Plan, *, device: str) -> list[str]:
-    """Settings that would shrink the plan (each tried alone), best first, with the total each
-    gives; and the GPU count that fits if any."""
+#: the relative cost of each knob's step, for the cheapest combination (``cheapest_fit``):
+#: free first (the cache), then recompute, more steps, communication, host traffic, more GPUs,
+#: then what changes the training itself (fewer samples per step, smaller groups, LoRA)
+KNOB_COST = {
+    "cache": 1,
+    "ckpt": 2,
+    "micro": 3,
+    "sp": 4,
+    "offload": 6,
+    "gpus": 7,
+    "prompts": 8,
+    "group": 10,
+    "lora": 12,
+}
+
+
+def _knobs(cfg: Any, gpus: int) -> list[list[tuple[list[str], float, str]]]:
+    """Per knob, its levels (settings, cost, why); level 0 is the run as given. GPU counts are
+    levels too, as the setting ``--gpus N``."""
+    s, fs = cfg.sample, cfg.fsdp
+    knobs: list[list[tuple[list[str], float, str]]] = []
+    for name, extra in SUGGESTIONS:
+        if extra[0].startswith("fsdp.sp_degree"):
+            levels = [
+                (
+                    [f"fsdp.sp_degree={n}"],
+                    KNOB_COST["sp"] * math.log2(n / fs.sp_degree),
+                    f"split each sample's tokens over {n} GPUs",
+                )
+                for n in (2, 4, 8)
+                if n > fs.sp_degree
+            ]
+        else:
+            kind = {
+                "model.embed_cache_dir=prompt-cache": "cache",
+                "lora.enabled=true": "lora",
+                "fsdp.activation_checkpointing=true": "ckpt",
+                "update.micro_batch_size=1": "micro",
+                "fsdp.cpu_offload=true": "offload",
+            }[extra[0]]
+            levels = [(extra, KNOB_COST[kind], name)]
+        knobs.append(levels)
+    p, k = s.prompts_per_step, s.group_size
+    knobs.append(
+        [
+            (
+                [f"sample.prompts_per_step={p // d}"],
+                KNOB_COST["prompts"] * math.log2(d),
+                f"fewer prompts per step ({p // d} x {k} samples; a different training)",
+            )
+            for d in (2, 4, 8)
+            if p % d == 0
+        ]
+    )
+    if k % 2 == 0 and k // 2 >= 2:
+        knobs.append(
+            [
+                (
+                    [f"sample.group_size={k // 2}"],
+                    KNOB_COST["group"],
+                    "smaller groups (noisier advantages; a different training)",
+                )
+            ]
+        )
+    knobs.append(
+        [
+            ([f"--gpus {gpus * d}"], KNOB_COST["gpus"] * math.log2(d), "shard the state wider")
+            for d in (2, 4, 8)
+        ]
+    )
+    return [[([], 0.0, ""), *levels] for levels in knobs if levels]
+
+
+def _plan_with(
+    preset: str | None,
+    overrides: list[str],
+    extra: list[str],
+    gpus: int,
+    gpu_gb: float,
+    device: str,
+) -> Plan | None:
+    """The plan with ``extra`` settings (``--gpus N`` among them sets the GPU count); None when
+    they do not apply (the trainer would refuse the run)."""
     from flowgrpo.config import load_config
 
-    out = []
-    for why, extra in SUGGESTIONS:
-        try:
-            cfg = load_config(preset, [*overrides, *extra], check_paths=False)
-            other = plan_memory(cfg, plan.gpus, plan.gpu_gb, device=device)
-        except Exception:  # noqa: BLE001 - a setting that does not apply is simply not offered
-            continue
-        if other.total < plan.total * 0.97:
-            out.append((other.total, f"{' '.join(extra)}  ({why}): {other.total / GB:.1f} GB"))
-    out.sort()
-    lines = [text for _, text in out]
+    settings = [e for e in extra if not e.startswith("--gpus ")]
+    for e in extra:
+        if e.startswith("--gpus "):
+            gpus = int(e.split()[1])
+    try:
+        cfg = load_config(preset, [*overrides, *settings], check_paths=False)
+        return plan_memory(cfg, gpus, gpu_gb, device=device)
+    except Exception:  # noqa: BLE001 - a setting that does not apply is simply not offered
+        return None
+
+
+def suggestions(preset: str | None, overrides: list[str], plan: Plan, *, device: str) -> list[str]:
+    """Settings that would shrink the plan, each tried alone (every knob's first step; the
+    smallest GPU count that fits), best first, with the total each gives; a line ends in
+    "fits" when that setting alone makes the run fit."""
+    from flowgrpo.config import load_config
+
     cfg = load_config(preset, overrides, check_paths=False)
-    for n in (2, 4, 8, 16, 32, 64):
-        if n > plan.gpus:
-            try:
-                other = plan_memory(cfg, n, plan.gpu_gb, device=device)
-            except ValueError:
-                continue
-            if other.fits:
-                lines.append(f"--gpus {n}  (shard the state wider): {other.total / GB:.1f} GB")
-                break
-    return lines
+    out = []
+    for levels in _knobs(cfg, plan.gpus):
+        options = levels[1:2]
+        if levels[1][0][0].startswith("--gpus"):
+            options = levels[1:]  # the smallest count that fits (else the largest tried)
+        found = None
+        for extra, _, why in options:
+            other = _plan_with(preset, overrides, extra, plan.gpus, plan.gpu_gb, device)
+            if other is not None and (other.fits or other.total < plan.total * 0.97):
+                found = (other, extra, why)
+                if other.fits:
+                    break
+        if found is not None:
+            other, extra, why = found
+            verdict = ", fits" if other.fits else ""
+            line = f"{' '.join(extra)}  ({why}): {other.total / GB:.1f} GB{verdict}"
+            out.append((other.total, line))
+    out.sort()
+    return [text for _, text in out]
+
+
+def cheapest_fit(
+    preset: str | None, overrides: list[str], plan: Plan, *, device: str, limit: int = 400
+) -> tuple[list[str], Plan] | None:
+    """The cheapest combination of the knobs (``KNOB_COST``, summed) that fits: (settings,
+    plan), or None when none of the ``limit`` cheapest combinations fits."""
+    import itertools
+
+    from flowgrpo.config import load_config
+
+    cfg = load_config(preset, overrides, check_paths=False)
+    combos = []
+    for pick in itertools.product(*_knobs(cfg, plan.gpus)):
+        extra = [x for settings, _, _ in pick for x in settings]
+        if extra:
+            combos.append((sum(c for _, c, _ in pick), len(extra), extra))
+    combos.sort(key=lambda c: (c[0], c[1]))
+    for _, _, extra in combos[:limit]:
+        other = _plan_with(preset, overrides, extra, plan.gpus, plan.gpu_gb, device)
+        if other is not None and other.fits:
+            return extra, other
+    return None
 
 
 def settings_that_fit(
@@ -443,6 +597,12 @@ def format_plan(plan: Plan, title: str) -> str:
         f"({USABLE:.0%} of {plan.gpu_gb:g} GB; the rest: CUDA context, NCCL, fragmentation). "
         "Predicted by the planner, not measured on a GPU."
     )
+    if plan.tight:
+        lines.append(
+            f"warning: tight: within {MARGIN:.0%} of the usable memory, inside the planner's "
+            "error (its totals are within 15% of measured CPU peaks): leave room, e.g. with "
+            "the settings below"
+        )
     return "\n".join(lines)
 
 
@@ -471,10 +631,12 @@ __all__ = [
     "settings_that_fit",
     "Plan",
     "build_on_meta",
+    "cheapest_fit",
     "format_plan",
     "planned_line",
     "known_models",
     "plan_memory",
+    "preset_model",
     "read_model_configs",
     "suggestions",
 ]
