@@ -367,6 +367,16 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     parts["(host: decoded images)"] = local * 3 * frames * m.height * m.width * 4
     parts["(rollout forward)"] = rollout_act
     plan = Plan(parts, gpus, gpu_gb)
+    native = getattr(adapter_cls, "native_size", None)
+    size = native(lambda c: configs.get(c) or {}) if native is not None else None
+    if size is not None and (m.height, m.width, m.num_frames or size[2]) != size:
+        frames = f" x {m.num_frames} frames" if m.num_frames else ""
+        plan.notes.append(
+            f"note: {cfg.model.path} generates {size[0]}x{size[1]} x {size[2]} frames by default; "
+            f"this plan is for {m.height}x{m.width}{frames} (model.height/width/num_frames as "
+            f"set): to plan its own size add model.height={size[0]} model.width={size[1]} "
+            f"model.num_frames={size[2]}"
+        )
     plan.params = {"trained": n_params, "lora": n_lora, **frozen_parts}
     return plan
 
@@ -597,6 +607,7 @@ def format_plan(plan: Plan, title: str) -> str:
         f"({USABLE:.0%} of {plan.gpu_gb:g} GB; the rest: CUDA context, NCCL, fragmentation). "
         "Predicted by the planner, not measured on a GPU."
     )
+    lines += plan.notes
     if plan.tight:
         lines.append(
             f"warning: tight: within {MARGIN:.0%} of the usable memory, inside the planner's "
