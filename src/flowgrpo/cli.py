@@ -458,8 +458,8 @@ def exit_code(e: BaseException) -> int:
     failures while a run goes (RunError: rewards, divergence, disk) and anything else."""
     from flowgrpo.errors import RunError
 
-    if isinstance(e, RunError):
-        return 1
+    if isinstance(e, RunError) or getattr(e, "reward_name", None) is not None:
+        return 1  # a reward's failure or bad output (tagged with its name) is a run failure
     return 2 if isinstance(e, (FileNotFoundError, ValueError)) else 1
 
 

@@ -147,7 +147,48 @@ def check_model_run(
         check_world(cfg, world_size, f"{label} {world_size}")
 
 
+def base_fingerprint(model_path: str) -> str | None:
+    """A short hash of the base transformer(s) at ``model_path``: each trained component's
+    ``config.json`` and the names and sizes of its weight files (no weight is read). Equal for
+    two copies of one model, different for another model; None where it cannot be read (a
+    path that is not a pipeline folder). A run records it; a resume compares it."""
+    import hashlib
+
+    from flowgrpo.models.registry import (
+        SUPPORTED_PIPELINES,
+        import_adapter,
+        read_model_index,
+        resolve_model_path,
+    )
+
+    try:
+        index = read_model_index(model_path)
+        root = Path(resolve_model_path(model_path))
+    except (OSError, ValueError):
+        return None
+    name = index.get("_class_name")
+    comps = ["transformer"]
+    if name in SUPPORTED_PIPELINES:
+        comps = list(import_adapter(SUPPORTED_PIPELINES[name]).trained_components(index))
+    h = hashlib.sha256(str(name).encode())
+    for comp in comps:
+        folder = root / comp
+        if not folder.is_dir():
+            continue
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        config = {k: v for k, v in config.items() if not k.startswith("_")}  # versions, paths
+        h.update(comp.encode() + json.dumps(config, sort_keys=True).encode())
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"):
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
 __all__ = [
+    "base_fingerprint",
     "check_model_run",
     "check_preset_pipeline",
     "check_world",
