@@ -111,28 +111,32 @@ def check_model_run(
         return
     check_preset_pipeline(cfg.preset, pipeline, str(m.path))
     adapter = import_adapter(SUPPORTED_PIPELINES[pipeline])
-    options = set_family_options(m)
-    takes = adapter_options(pipeline)
-    for key in options:
-        if key not in takes:
-            raise ConfigError(
-                f"config key 'model.{key}' does not apply to {pipeline} (the options it "
-                f"takes: {', '.join(sorted(takes)) or 'none'}): unset it"
-            )
 
     def config(component: str) -> dict:
         data = configs.get(component)
         return data if isinstance(data, dict) else {}
 
-    check_options = getattr(adapter, "check_options", None)
     try:
-        if check_options is not None:
-            check_options(config, options)
         rule = adapter.size_rule(config)
         if rule is not None:
             check_size(rule, m.height, m.width, m.num_frames, key="config key 'model.{}'")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    options = set_family_options(m)
+    takes = adapter_options(pipeline)
+    for key in options:
+        if key not in takes:
+            raise ConfigError(
+                f"model.{key} does not apply to {pipeline} (the options it "
+                f"takes: {', '.join(sorted(takes)) or 'none'}): unset it"
+            )
+
+    check_options = getattr(adapter, "check_options", None)
+    if check_options is not None:
+        try:
+            check_options(config, options)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     sp = cfg.fsdp.sp_degree
     if sp > 1:
         for comp in adapter.trained_components(configs["model_index"]):
