@@ -53,6 +53,8 @@ ROLLOUT_ACT_FACTOR = 4.0
 #: share of a GPU's memory the plan may use: the rest is the CUDA context, NCCL buffers and
 #: the caching allocator's fragmentation
 USABLE = 0.9
+#: host memory per node of the decoded images above which the plan says so (GB)
+HOST_NOTE_GB = 256
 #: a plan that fits within this share of the usable memory gets a warning: the planner's error
 MARGIN = 0.1
 KNOWN_PREFIX = "known:"
@@ -360,13 +362,22 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     # every rank of an SP group samples its group's samples alike (the whole trajectories);
     # the decoded images / videos go to the host (the adapters' decode returns them on CPU,
     # the rewards take them there): host memory, not GPU memory, so not in the total
-    decode_chunk = min(local, max(1, s.rollout_batch_size))
-    parts["rollout buffers"] = (
-        local * per_sample + decode_chunk * 3 * frames * m.height * m.width * 4
-    )
-    parts["(host: decoded images)"] = local * 3 * frames * m.height * m.width * 4
+    image = 3 * frames * m.height * m.width * 4  # one decoded image / video, fp32
+    if device == "cpu":  # the host is the device: the decoded images count
+        parts["rollout buffers"] = local * (per_sample + image)
+    else:
+        decode_chunk = min(local, max(1, s.rollout_batch_size))
+        parts["rollout buffers"] = local * per_sample + decode_chunk * image
+        parts["(host: decoded images)"] = local * image
     parts["(rollout forward)"] = rollout_act
     plan = Plan(parts, gpus, gpu_gb)
+    host = parts.get("(host: decoded images)", 0.0) * min(gpus, 8)
+    if host > HOST_NOTE_GB * GB:
+        plan.notes.append(
+            f"note: the decoded images of a step wait for the rewards in host memory: "
+            f"{host / GB:.0f} GB per node of {min(gpus, 8)} GPUs (fewer prompts per step or "
+            "more GPUs shrink it)"
+        )
     native = getattr(adapter_cls, "native_size", None)
     size = native(lambda c: configs.get(c) or {}) if native is not None else None
     if size is not None and (m.height, m.width, m.num_frames or size[2]) != size:
