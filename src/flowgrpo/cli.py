@@ -234,7 +234,8 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     from flowgrpo.config import load_config
-    from flowgrpo.config.memory import GB, cheapest_fit, format_plan, plan_memory, suggestions
+    from flowgrpo.config.memory import GB, format_plan, plan_memory
+    from flowgrpo.config.memory_advice import cheapest_fit, suggestions
 
     if args.gpus <= 0:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
