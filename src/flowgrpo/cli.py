@@ -234,21 +234,40 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     from flowgrpo.config import load_config
-    from flowgrpo.config.memory import format_plan, plan_memory, suggestions
+    from flowgrpo.config.memory import GB, format_plan, plan_memory
+    from flowgrpo.config.memory_advice import cheapest_fit, suggestions
 
     if args.gpus <= 0:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
-    if not args.gpu_gb > 0:
-        raise ValueError(f"--gpu-gb must be > 0, got {args.gpu_gb:g}")
+    if not (args.gpu_gb > 0 and args.gpu_gb < float("inf")):
+        raise ValueError(f"--gpu-gb must be a finite number > 0, got {args.gpu_gb:g}")
     preset, overrides = split_config_args(args.config_args)
     cfg = load_config(preset, overrides, check_paths=False)
+    if not cfg.model.path:  # the preset's own model (its shipped config set), said so
+        from flowgrpo.config.memory import preset_model
+
+        own = preset_model(cfg.preset)
+        if own is not None:
+            overrides = [*own, *overrides]
+            cfg = load_config(preset, overrides, check_paths=False)
+            print(f"model.path not given: planning the preset's model, {' '.join(own)}")
     plan = plan_memory(cfg, args.gpus, args.gpu_gb, device=args.device)
     print(format_plan(plan, f"{cfg.preset} ({cfg.model.path})"))
-    if not plan.fits:
+    if not plan.fits or plan.tight:
         lines = suggestions(preset, overrides, plan, device=args.device)
-        print("settings that shrink it (each alone):" if lines else "no single setting fits it")
+        print("settings that shrink it (each alone):" if lines else "no single setting shrinks it")
         for line in lines:
             print("  " + line)
+        if not plan.fits and not any(line.endswith(", fits") for line in lines):
+            found = cheapest_fit(preset, overrides, plan, device=args.device)
+            if found is None:
+                print("no combination of these settings fits (up to 8x the GPUs)")
+            else:
+                extra, other = found
+                print(
+                    f"none fits alone; the cheapest combination that fits: {' '.join(extra)}: "
+                    f"{other.total / GB:.1f} GB"
+                )
     return 0
 
 
@@ -445,8 +464,8 @@ def exit_code(e: BaseException) -> int:
     failures while a run goes (RunError: rewards, divergence, disk) and anything else."""
     from flowgrpo.errors import RunError
 
-    if isinstance(e, RunError):
-        return 1
+    if isinstance(e, RunError) or getattr(e, "reward_name", None) is not None:
+        return 1  # a reward's failure or bad output (tagged with its name) is a run failure
     return 2 if isinstance(e, (FileNotFoundError, ValueError)) else 1
 
 

@@ -49,6 +49,7 @@ def config(algorithm: str, kind: str, mode: str, **over):
         "mix_grpo": {"clip_range": 0.5, "window_size": 2, "shift_interval": 1},
         "grpo_guard": {"clip_range": 0.5, "bias_reduce": "sample"},
         "nft": {"kl_beta": 0.05},
+        "awm": {"train_timesteps": 2},  # the 2 levels of 4 steps (int(4 x 0.9) = 3, from 1)
     }
     for key, value in over.items():
         section, _, field = key.partition(".")

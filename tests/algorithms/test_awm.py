@@ -301,6 +301,7 @@ def test_resume_matches_straight_run(tmp_path):
         "run.progress_bar=false",
         "awm.ema_kl_decay_type=constant",  # the EMA policy lags from step 1: resume must keep it
         "awm.kl_beta=0.01",
+        "awm.train_timesteps=2",  # the 2 levels of 4 steps x 0.9 (from the 2nd)
     ]
 
     def train(out, *extra):

@@ -218,3 +218,65 @@ def test_multi_reward_rejects_non_finite_weights() -> None:
         MultiReward([RewardSpec("digits", float("nan"))])
     with pytest.raises(ValueError, match="'reward.digits.key_weights.acc' must be a finite number"):
         MultiReward([RewardSpec("digits", 1.0, key_weights={"acc": float("inf")})])
+
+
+# -- settings that cannot apply, and resumes refused or allowed (issue 40 item 8) -----------------
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("awm.timestep_fraction=0.01", "'awm.timestep_fraction'"),  # int(14 x 0.01) = 0 levels
+        ("awm.train_timesteps=100", "'awm.train_timesteps' must be <= 11"),  # 11 levels
+    ],
+)
+def test_awm_levels_that_cannot_apply(override: str, key: str) -> None:
+    assert key in _error("algorithm=awm", override, preset="sd3-ocr")
+    load_config("sd3-ocr", ["algorithm=awm", "awm.train_timesteps=11"], check_paths=False)
+
+
+def _base(root, name: str, weights: int):
+    """A pipeline folder holding a transformer config and a weight file of ``weights`` bytes."""
+    import json
+
+    folder = root / name
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "X"]})
+    )
+    config = {"num_layers": 24, "_diffusers_version": name}  # versions are not the model
+    (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"0" * weights)
+    return folder
+
+
+def test_resume_on_another_base_model_is_refused(tmp_path) -> None:
+    from flowgrpo.config.record import check_resume, write_record
+
+    base, copy, other = (_base(tmp_path, n, w) for n, w in (("a", 10), ("b", 10), ("c", 11)))
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_1"
+    ckpt.mkdir(parents=True)
+    write_record(run, load_config("sd3-ocr", [f"model.path={base}"], check_paths=False))
+    check_resume(
+        load_config("sd3-ocr", [f"model.path={copy}"], check_paths=False), ckpt
+    )  # a copy: same model
+    with pytest.raises(ConfigError) as info:
+        check_resume(load_config("sd3-ocr", [f"model.path={other}"], check_paths=False), ckpt)
+    assert "'model.path'" in str(info.value) and "another base model" in str(info.value)
+    assert "\n" not in str(info.value)
+    allowed = ["trainer.allow_config_change=true", f"model.path={other}"]
+    check_resume(load_config("sd3-ocr", allowed, check_paths=False), ckpt)
+
+
+def test_resume_may_add_the_embedding_cache_or_vae_slicing(tmp_path) -> None:
+    from flowgrpo.config.record import check_resume, write_record
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_1"
+    ckpt.mkdir(parents=True)
+    write_record(run, load_config("sd3-ocr", [], check_paths=False))
+    check_resume(
+        load_config("sd3-ocr", [f"model.embed_cache_dir={tmp_path}/cache"], check_paths=False), ckpt
+    )
+    check_resume(load_config("sd3-ocr", ["model.vae_slicing=true"], check_paths=False), ckpt)
+    with pytest.raises(ConfigError, match="model.height"):  # what the run computes: refused
+        check_resume(load_config("sd3-ocr", ["model.height=256"], check_paths=False), ckpt)

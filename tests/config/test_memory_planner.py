@@ -27,7 +27,7 @@ def test_param_counts_equal_the_loaded_pipeline(root):
     from flowgrpo.models.registry import load_pipeline
 
     pipe = load_pipeline(root / "small-sd3")
-    cfg = load_config(None, MR.overrides(root, "lora"), check_paths=False)
+    cfg = load_config(str(root / "preset.yaml"), MR.overrides(root, "lora"), check_paths=False)
     plan = plan_memory(cfg, 1, 80, device="cpu")
     real = {
         name: sum(p.numel() for p in comp.parameters())
@@ -73,7 +73,16 @@ CARD_SIZES = {
 @pytest.mark.parametrize("name", known_models())
 def test_shipped_configs_build_on_meta(name):
     configs = read_model_configs(f"known:{name}")
-    cfg = load_config("toy-digits", [f"model.path=known:{name}"], check_paths=False)
+    from flowgrpo.models.registry import PRESET_PIPELINES
+
+    pipeline = configs["model_index"]["_class_name"]
+    fits = [p for p, classes in PRESET_PIPELINES.items() if pipeline in classes]
+    cfg = load_config(
+        fits[0] if fits else "qwen-image-edit-counting",
+        [f"model.path=known:{name}"],
+        check_paths=False,
+    )
+    cfg.preset = None  # a custom config (QwenImageEditPlusPipeline has no preset of its own)
     plan = plan_memory(cfg, 8, 80)
     published = {  # billions of transformer parameters, as the model cards give them
         "qwen-image": 20.4,
@@ -169,7 +178,6 @@ def test_cli_prints_parts_verdict_and_what_to_turn(capsys):
         (["sd3-ocr", "model.path=known:sd3.5-medium", "--gpus", "8", "--gpu-gb", "0"], "--gpu-gb"),
         (["sd3-ocr", "model.path=known:sd3.5-medium", "--gpus", "8", "--gpu-gb", "-5"], "--gpu-gb"),
         (["sd3-ocr", "model.path=known:nope", "--gpus", "8", "--gpu-gb", "80"], "known:nope"),
-        (["sd3-ocr", "--gpus", "8", "--gpu-gb", "80"], "model.path"),
     ],
 )
 def test_bad_input_is_one_line(capsys, args, culprit):
@@ -319,3 +327,159 @@ def test_edit_token_counts_add_the_pipelines_source_tokens(adapter, vl_area, hei
     assert counts.latent == 16 * (height // 8) * (width // 8)
     if (adapter, height, width) == ("QwenImageEditAdapter", 512, 512):  # the preset, by hand
         assert (counts.image, counts.text) == (32 * 32 + 64 * 64, 512 + 37 * 37)
+
+
+# -- one set of checks with the trainer (issue 39 item 11, issue 40 item 8) ----------------------
+def _folder(tmp_path, name):
+    """The shipped config set ``name`` written out as a pipeline folder (config files only)."""
+    configs = read_model_configs(f"known:{name}")
+    root = tmp_path / name
+    root.mkdir()
+    (root / "model_index.json").write_text(json.dumps(configs["model_index"]))
+    for comp, config in configs.items():
+        if comp not in ("model_index", "sources"):
+            (root / comp).mkdir()
+            (root / comp / "config.json").write_text(json.dumps(config))
+    return root
+
+
+REFUSED = [  # (preset, model set, overrides, --gpus, what the one line names)
+    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", ["model.num_frames=30"], 8, "model.num_frames"),
+    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", ["model.num_frames=10000"], 8, "model.num_frames"),
+    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", ["model.num_frames=10001"], 8, "model.num_frames"),
+    ("sd3-ocr", "sd3.5-medium", ["model.num_frames=5"], 8, "model.num_frames"),
+    ("sd3-ocr", "sd3.5-medium", ["model.width=22"], 8, "model.width"),
+    ("flux2-pickscore", "flux.2-dev", ["model.height=1000", "model.width=1000"], 8, "height"),
+    ("z-image-pickscore", "z-image", ["fsdp.sp_degree=4"], 8, "fsdp.sp_degree"),
+    ("flux-pickscore", "sd3.5-medium", [], 8, "model.path"),
+    ("flux-pickscore", "flux.1-dev", ["model.source_size=512"], 8, "model.source_size"),
+    ("qwen-image-edit-counting", "qwen-image-edit", ["model.source_size=17"], 8, "source_size"),
+    ("flux-kontext-counting", "flux.1-kontext-dev", ["model.source_size=17"], 8, "source_size"),
+    ("sd3-ocr", "sd3.5-medium", ["sample.prompts_per_step=64", "sample.group_size=8"], 3, "512"),
+    ("sd3-ocr", "sd3.5-medium", [], 7, "sample.prompts_per_step"),
+    ("sd3-ocr", "sd3.5-medium", [], 10**12, "sample.prompts_per_step"),
+    ("sd3-ocr", "sd3.5-medium", ["fsdp.sp_degree=2"], 3, "--gpus 3"),
+]
+
+
+@pytest.mark.parametrize("preset, model, overrides, gpus, culprit", REFUSED)
+def test_the_planner_refuses_what_the_trainer_refuses(
+    capsys, preset, model, overrides, gpus, culprit
+):
+    args = [preset, f"model.path=known:{model}", *overrides, "--gpus", str(gpus), "--gpu-gb", "80"]
+    code, out, err = _cli(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and "fits" not in out, out
+    assert len(lines) == 1 and lines[0].startswith("flowgrpo: error:") and culprit in lines[0]
+
+
+@pytest.mark.parametrize("preset, model, overrides, gpus, culprit", REFUSED)
+def test_train_refuses_them_with_the_planners_line(
+    tmp_path, monkeypatch, preset, model, overrides, gpus, culprit
+):
+    from flowgrpo.config import ConfigError
+    from flowgrpo.config.memory import plan_memory
+
+    if gpus > 64:  # torchrun cannot start 10^12 ranks; the layout check is the same function
+        gpus = 7
+    folder = _folder(tmp_path, model)
+    prompts = tmp_path / "p.jsonl"
+    record = {"prompt": "a cat"}
+    if "edit" in preset or "kontext" in preset:
+        from PIL import Image
+
+        Image.new("RGB", (64, 64)).save(tmp_path / "src.png")
+        record["image"] = "src.png"
+    prompts.write_text(json.dumps(record) + "\n")
+    over = [f"model.path={folder}", f"data.train_prompts={prompts}", *overrides]
+    over += [f"reward.{r}.options.path={tmp_path}" for r in ("pickscore",) if "pickscore" in preset]
+    monkeypatch.setenv("WORLD_SIZE", str(gpus))
+    with pytest.raises(ConfigError) as trained:
+        load_config(preset, over, command="train")
+    with pytest.raises(ConfigError) as planned:
+        plan_memory(load_config(preset, over, check_paths=False), gpus, 80)
+    train_line, plan_line = str(trained.value), str(planned.value)
+    assert "\n" not in train_line and culprit.replace("--gpus", "world size") in train_line
+    assert plan_line == train_line.replace(f"world size {gpus}", f"--gpus {gpus}")
+
+
+@pytest.mark.parametrize("gpu_gb", ["inf", "nan"])
+def test_gpu_gb_must_be_finite(capsys, gpu_gb):
+    code, out, err = _cli(
+        capsys, "sd3-ocr", "model.path=known:sd3.5-medium", "--gpus", "8", "--gpu-gb", gpu_gb
+    )
+    assert code == 2 and "fits" not in out and "--gpu-gb must be a finite number" in err
+
+
+# -- the planner's advice (issue 39 item 12) --------------------------------------------------------
+def test_no_model_path_plans_the_presets_own_model(capsys):
+    code, out, _ = _cli(capsys, "sd3-ocr", "--gpus", "8", "--gpu-gb", "80")
+    assert code == 0 and "planning the preset's model, model.path=known:sd3.5-medium" in out
+    assert "sd3-ocr (known:sd3.5-medium)" in out
+
+
+def test_when_nothing_fits_alone_it_names_the_cheapest_combination(capsys):
+    over = ["model.path=known:flux.2-dev", "lora.enabled=false", "lora.target_modules=null"]
+    code, out, _ = _cli(capsys, "flux2-pickscore", *over, "--gpus", "8", "--gpu-gb", "80")
+    assert code == 0 and "does NOT fit: 208.1 GB" in out and ", fits" not in out
+    line = next(x for x in out.splitlines() if "cheapest combination that fits" in x)
+    settings = line.split("fits: ", 1)[1].rsplit(":", 1)[0].split()
+    assert settings == ["fsdp.activation_checkpointing=true", "fsdp.cpu_offload=true"]
+    plan = plan_memory(load_config("flux2-pickscore", [*over, *settings], check_paths=False), 8, 80)
+    assert plan.fits and f"{plan.total / GB:.1f} GB" in line
+    for alone in settings:  # and neither alone fits
+        cfg = load_config("flux2-pickscore", [*over, alone], check_paths=False)
+        assert not plan_memory(cfg, 8, 80).fits
+
+
+HUNYUAN_720 = [
+    "model.path=known:hunyuan-video-1.5-720p-t2v",
+    "model.height=720",
+    "model.width=1280",
+    "model.num_frames=121",
+]
+
+
+def test_decoded_videos_are_host_memory_and_sp_keeps_each_groups_samples(capsys):
+    """The adapters' decode returns videos on the CPU: they are not GPU memory (the total was
+    216 GB at sp 1, 1730 GB at sp 8). Every rank of an SP group holds its group's latents."""
+    per_video = 3 * 121 * 720 * 1280 * 4  # fp32 [3, F, H, W]
+    for sp in (1, 8):
+        cfg = load_config(
+            "hunyuan-video15-pickscore", [*HUNYUAN_720, f"fsdp.sp_degree={sp}"], check_paths=False
+        )
+        plan = plan_memory(cfg, 8, 80)
+        local = 48 * 24 // (8 // sp)  # samples per data-parallel rank
+        assert plan.parts["(host: decoded images)"] == local * per_video
+        latents = plan.parts["rollout buffers"] - per_video  # one decoded at a time (batch 1)
+        assert 0 < latents < local * 0.2 * GB
+        assert plan.total < plan.parts["(host: decoded images)"]
+    code, out, _ = _cli(
+        capsys, "hunyuan-video15-pickscore", *HUNYUAN_720, "--gpus", "8", "--gpu-gb", "80"
+    )
+    for knob in ("sample.prompts_per_step=24", "sample.group_size=12", "--gpus 16"):
+        assert knob in out
+    assert "1542 GB per node of 8 GPUs" in out  # 8 x 192.7 GB of decoded videos on the host
+
+
+def test_a_tight_fit_warns():
+    from flowgrpo.config.memory import USABLE, format_plan
+
+    cfg = load_config("sd3-ocr", ["model.path=known:sd3.5-medium"], check_paths=False)
+    total = plan_memory(cfg, 8, 80).total / GB
+    for share, warned in ((0.99, True), (0.8, False)):
+        plan = plan_memory(cfg, 8, total / share / USABLE)
+        text = format_plan(plan, "t")
+        assert plan.fits and ("warning: tight" in text) == warned
+
+
+def test_hunyuan_sets_say_their_own_resolution():
+    cfg = load_config(
+        "hunyuan-video15-pickscore",
+        ["model.path=known:hunyuan-video-1.5-720p-t2v"],
+        check_paths=False,
+    )
+    notes = plan_memory(cfg, 8, 80).notes
+    assert any("generates 720x1280 x 121 frames" in n and "480x480 x 5 frames" in n for n in notes)
+    cfg = load_config("hunyuan-video15-pickscore", HUNYUAN_720, check_paths=False)
+    assert not any("generates" in n for n in plan_memory(cfg, 8, 80).notes)

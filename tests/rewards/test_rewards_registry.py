@@ -123,6 +123,13 @@ def test_output_validation_names_reward():
         ValueError, match=r"reward 'nanny' returned non-finite scores at indices \[1\]"
     ):
         nan(images, prompts, meta)
+    huge = MultiReward.from_functions({"huge": lambda i, p, m: [1.0, 1e39, 0.0]})
+    with pytest.raises(ValueError, match=r"'huge' returned scores beyond float32's range") as e:
+        huge(images, prompts, meta)  # finite, but not in fp32: not "non-finite"
+    assert "[1]" in str(e.value)
+    from flowgrpo.cli import exit_code
+
+    assert exit_code(e.value) == 1  # a run failure, as docs/training.md says (2: config errors)
     text = MultiReward.from_functions({"texty": lambda i, p, m: ["a", "b", "c"]})
     with pytest.raises(ValueError, match="reward 'texty' returned non-numeric"):
         text(images, prompts, meta)

@@ -311,6 +311,24 @@ class AWM(Algorithm):
             "false with algorithm=awm (the authors' rollouts are on-policy)",
             s.use_ema_for_rollout,
         )
+        a = cfg.awm
+        first = 1 if a.time_type == "discrete_wo_init" else 0
+        top = int(s.num_steps * a.timestep_fraction)  # as awm_timestep_indices strata them
+        levels = f"int(sample.num_steps {s.num_steps} x awm.timestep_fraction) = {top}"
+        need(
+            top > first,
+            "awm.timestep_fraction",
+            f"large enough to leave a level to train: {levels}, but the strata start at level "
+            f"{first} (awm.time_type {a.time_type}; level 0 is pure noise)",
+            a.timestep_fraction,
+        )
+        need(
+            a.train_timesteps <= top - first,
+            "awm.train_timesteps",
+            f"<= {top - first}, the levels in [{first}, {top}) ({levels}): more would train "
+            "the same levels twice",
+            a.train_timesteps,
+        )
 
     @classmethod
     def eval_guidance_scale(cls, cfg) -> float:

@@ -20,7 +20,10 @@ is sharded over a shard group of S = gpus / fsdp.replicate_degree ranks:
   calibrated on CPU measurements (``ACT_PER_WIDTH``); with activation checkpointing, each
   block's input plus one block's activations;
 - rollout buffers: this rank's trajectories (fp32 latents of the trained steps, prompt
-  embeddings, decoded images) and the rollout's no-grad forward of ``rollout_batch_size``.
+  embeddings; every rank of a sequence-parallel group holds its group's samples whole) and one
+  rollout chunk's decoded images, and the rollout's no-grad forward of ``rollout_batch_size``.
+  The decoded images of all this rank's samples wait for the rewards in host memory
+  (``(host: decoded images)``, not in the GPU total).
 
 The totals are predictions: measured on CPUs (tests/config/test_memory_planner.py), not yet on
 a GPU.
@@ -50,9 +53,16 @@ ROLLOUT_ACT_FACTOR = 4.0
 #: share of a GPU's memory the plan may use: the rest is the CUDA context, NCCL buffers and
 #: the caching allocator's fragmentation
 USABLE = 0.9
+#: host memory per node of the decoded images above which the plan says so (GB)
+HOST_NOTE_GB = 256
+#: a plan that fits within this share of the usable memory gets a warning: the planner's error
+MARGIN = 0.1
 KNOWN_PREFIX = "known:"
 _TEXT_MARKERS = ("add_", "context", "txt", "attn2.to_k", "attn2.to_v", "text")
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
+#: components counted on the meta device, by (kind, library, class, config, ...): the advice
+#: plans many variants of one run, and building a 20B transformer on meta takes ~0.5 s
+_MEMO: dict[tuple, Any] = {}
 
 
 # -- the model's config files --------------------------------------------------------------------
@@ -92,6 +102,17 @@ def read_model_configs(path: str) -> dict[str, Any]:
     if "transformer" not in out:
         raise ValueError(f"model.path '{path}': no transformer/config.json to plan from")
     return out
+
+
+def preset_model(preset: str | None) -> list[str] | None:
+    """The settings that plan shipped preset ``preset`` on its own model: ``model.path`` of
+    its first config set (``PRESET_MODELS``) and what that row adds; None for other presets."""
+    from flowgrpo.models.registry import PRESET_MODELS
+
+    for name, model, extra in PRESET_MODELS:
+        if name == preset:
+            return [f"model.path={KNOWN_PREFIX}{model}", *extra]
+    return None
 
 
 def build_on_meta(library: str, class_name: str, config: dict[str, Any]) -> Any:
@@ -193,6 +214,11 @@ class Plan:
     def fits(self) -> bool:
         return self.total <= USABLE * self.gpu_gb * GB
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but within ``MARGIN`` of the usable memory."""
+        return self.fits and self.total > (1 - MARGIN) * USABLE * self.gpu_gb * GB
+
 
 def _dtype_bytes(name: str, device: str) -> int:
     return resolve_dtype(name, device).itemsize
@@ -208,8 +234,8 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     """The per-GPU plan of run config ``cfg`` on ``gpus`` GPUs of ``gpu_gb`` GB each."""
     if gpus <= 0:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    if not gpu_gb > 0:
-        raise ValueError(f"--gpu-gb must be > 0, got {gpu_gb}")
+    if not (gpu_gb > 0 and math.isfinite(gpu_gb)):
+        raise ValueError(f"--gpu-gb must be a finite number > 0, got {gpu_gb}")
     if not cfg.model.path:
         raise ValueError(
             "model.path is required: a local diffusers directory (only its config files are "
@@ -226,11 +252,10 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
             f"supported: {', '.join(SUPPORTED_PIPELINES)}"
         )
     fs, m = cfg.fsdp, cfg.model
-    if gpus % (fs.replicate_degree * fs.sp_degree):
-        raise ValueError(
-            f"--gpus {gpus} must be a multiple of fsdp.replicate_degree x fsdp.sp_degree "
-            f"({fs.replicate_degree} x {fs.sp_degree})"
-        )
+    from flowgrpo.config.checks import check_model_run
+
+    # what the trainer refuses, from the same config files (flowgrpo.config.checks)
+    check_model_run(cfg, configs, world_size=gpus, label="--gpus")
     layout = parallel_layout(gpus, fs.replicate_degree, fs.sp_degree)
     shard, dp = layout.shard_group, layout.dp
     wbytes = _dtype_bytes(m.dtype, device)  # the loaded weights (frozen parts, LoRA base)
@@ -247,11 +272,15 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     shapes = []
     for comp in trained:
         lib, cls = index[comp]
-        model = build_on_meta(lib, cls, configs[comp])
         targets = cfg.lora.target_modules
         if targets is None:
             targets = list(adapter_cls.lora_target_modules)
-        shapes.append(transformer_shape(model, targets, cfg.lora.rank))
+        key = ("shape", lib, cls, json.dumps(configs[comp], sort_keys=True), str(targets))
+        key += (cfg.lora.rank,)
+        if key not in _MEMO:
+            model = build_on_meta(lib, cls, configs[comp])
+            _MEMO[key] = transformer_shape(model, targets, cfg.lora.rank)
+        shapes.append(_MEMO[key])
     n_params = sum(s.params for s in shapes)
     n_buffers = sum(s.buffers for s in shapes)  # whole on every rank (FSDP shards parameters)
     n_lora = sum(s.lora_params for s in shapes)
@@ -259,7 +288,10 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     for comp, spec in index.items():
         if comp in trained or comp not in configs or not isinstance(spec, list):
             continue
-        frozen_parts[comp] = _numel(build_on_meta(spec[0], spec[1], configs[comp]))
+        key = ("numel", spec[0], spec[1], json.dumps(configs[comp], sort_keys=True))
+        if key not in _MEMO:
+            _MEMO[key] = _numel(build_on_meta(spec[0], spec[1], configs[comp]))
+        frozen_parts[comp] = _MEMO[key]
 
     algo = getattr(cfg, cfg.algorithm, None)
     from flowgrpo.algorithms import algorithm_class
@@ -323,111 +355,41 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     per_sample = (
         (k + 2) * latent * 4  # latents of the trained steps + the final latents, fp32
         + rows * text_len * text_dim * wbytes  # prompt (and negative) embeddings
-        + 3 * frames * m.height * m.width * 4  # decoded image / video, fp32
     )
     rollout_act = (
         ROLLOUT_ACT_FACTOR * s.rollout_batch_size * rows * (img + txt) * hidden * cbytes / sp
     )
-    parts["rollout buffers"] = local * per_sample
+    # every rank of an SP group samples its group's samples alike (the whole trajectories);
+    # the decoded images / videos go to the host (the adapters' decode returns them on CPU,
+    # the rewards take them there): host memory, not GPU memory, so not in the total
+    image = 3 * frames * m.height * m.width * 4  # one decoded image / video, fp32
+    if device == "cpu":  # the host is the device: the decoded images count
+        parts["rollout buffers"] = local * (per_sample + image)
+    else:
+        decode_chunk = min(local, max(1, s.rollout_batch_size))
+        parts["rollout buffers"] = local * per_sample + decode_chunk * image
+        parts["(host: decoded images)"] = local * image
     parts["(rollout forward)"] = rollout_act
     plan = Plan(parts, gpus, gpu_gb)
+    host = parts.get("(host: decoded images)", 0.0) * min(gpus, 8)
+    if host > HOST_NOTE_GB * GB:
+        plan.notes.append(
+            f"note: the decoded images of a step wait for the rewards in host memory: "
+            f"{host / GB:.0f} GB per node of {min(gpus, 8)} GPUs (fewer prompts per step or "
+            "more GPUs shrink it)"
+        )
+    native = getattr(adapter_cls, "native_size", None)
+    size = native(lambda c: configs.get(c) or {}) if native is not None else None
+    if size is not None and (m.height, m.width, m.num_frames or size[2]) != size:
+        frames = f" x {m.num_frames} frames" if m.num_frames else ""
+        plan.notes.append(
+            f"note: {cfg.model.path} generates {size[0]}x{size[1]} x {size[2]} frames by default; "
+            f"this plan is for {m.height}x{m.width}{frames} (model.height/width/num_frames as "
+            f"set): to plan its own size add model.height={size[0]} model.width={size[1]} "
+            f"model.num_frames={size[2]}"
+        )
     plan.params = {"trained": n_params, "lora": n_lora, **frozen_parts}
     return plan
-
-
-# -- what to turn ----------------------------------------------------------------------------------
-#: settings that shrink a plan, mildest first (what each costs: none, recompute, more steps,
-#: more communication, host memory traffic)
-SUGGESTIONS: list[tuple[str, list[str]]] = [
-    (
-        "cache prompt embeddings and free the text encoders",
-        ["model.embed_cache_dir=prompt-cache", "model.text_encoder_offload=free"],
-    ),
-    ("train LoRA instead of the whole transformer", ["lora.enabled=true"]),
-    ("recompute blocks in backward", ["fsdp.activation_checkpointing=true"]),
-    ("one sample per micro-batch", ["update.micro_batch_size=1"]),
-    ("split each sample's tokens over 2 GPUs", ["fsdp.sp_degree=2"]),
-    ("keep the sharded state in host memory", ["fsdp.cpu_offload=true"]),
-]
-
-
-def suggestions(preset: str | None, overrides: list[str], plan: Plan, *, device: str) -> list[str]:
-    """Settings that would shrink the plan (each tried alone), best first, with the total each
-    gives; and the GPU count that fits if any."""
-    from flowgrpo.config import load_config
-
-    out = []
-    for why, extra in SUGGESTIONS:
-        try:
-            cfg = load_config(preset, [*overrides, *extra], check_paths=False)
-            other = plan_memory(cfg, plan.gpus, plan.gpu_gb, device=device)
-        except Exception:  # noqa: BLE001 - a setting that does not apply is simply not offered
-            continue
-        if other.total < plan.total * 0.97:
-            out.append((other.total, f"{' '.join(extra)}  ({why}): {other.total / GB:.1f} GB"))
-    out.sort()
-    lines = [text for _, text in out]
-    cfg = load_config(preset, overrides, check_paths=False)
-    for n in (2, 4, 8, 16, 32, 64):
-        if n > plan.gpus:
-            try:
-                other = plan_memory(cfg, n, plan.gpu_gb, device=device)
-            except ValueError:
-                continue
-            if other.fits:
-                lines.append(f"--gpus {n}  (shard the state wider): {other.total / GB:.1f} GB")
-                break
-    return lines
-
-
-def settings_that_fit(
-    preset: str | None, overrides: list[str], gpus: int, gpu_gb: float
-) -> tuple[list[str], Plan]:
-    """Add the settings of ``SUGGESTIONS`` in order (mildest first; LoRA is left to the user),
-    each one that shrinks the plan, until it fits; returns (settings added, final plan)."""
-    from flowgrpo.config import load_config
-
-    added: list[str] = []
-    plan = plan_memory(load_config(preset, overrides, check_paths=False), gpus, gpu_gb)
-    for _, extra in SUGGESTIONS:
-        if plan.fits:
-            break
-        if extra == ["lora.enabled=true"]:  # a different training, not a memory setting
-            continue
-        try:
-            cfg = load_config(preset, [*overrides, *added, *extra], check_paths=False)
-            other = plan_memory(cfg, gpus, gpu_gb)
-        except Exception:  # noqa: BLE001 - a setting that does not apply
-            continue
-        if other.total < plan.total * 0.99:
-            added += extra
-            plan = other
-    return added, plan
-
-
-def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
-    """The markdown table of docs/memory.md: every preset's real model, LoRA (the preset) and
-    a full fine-tune, on ``gpus`` GPUs of each size: GB per GPU and the settings that fit."""
-    head = "| preset, model | training | " + " | ".join(
-        f"{gpus}x{g:g} GB: GB/GPU, settings added" for g in gpu_sizes
-    )
-    from flowgrpo.models.registry import PRESET_MODELS
-
-    lines = [head + " |", "|" + "---|" * (2 + len(gpu_sizes))]
-    for preset, model, extra in PRESET_MODELS:
-        for label, more in (
-            ("LoRA (preset)", []),
-            ("full, KL as preset", ["lora.enabled=false", "lora.target_modules=null"]),
-        ):
-            over = [f"model.path={KNOWN_PREFIX}{model}", *extra, *more]
-            cells = []
-            for g in gpu_sizes:
-                added, plan = settings_that_fit(preset, over, gpus, g)
-                verdict = "" if plan.fits else " **does not fit**"
-                what = ", ".join(f"`{a}`" for a in added) or "as is"
-                cells.append(f"{plan.total / GB:.1f}{verdict}; {what}")
-            lines.append(f"| {preset}, {model} | {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def format_plan(plan: Plan, title: str) -> str:
@@ -443,6 +405,13 @@ def format_plan(plan: Plan, title: str) -> str:
         f"({USABLE:.0%} of {plan.gpu_gb:g} GB; the rest: CUDA context, NCCL, fragmentation). "
         "Predicted by the planner, not measured on a GPU."
     )
+    lines += plan.notes
+    if plan.tight:
+        lines.append(
+            f"warning: tight: within {MARGIN:.0%} of the usable memory, inside the planner's "
+            "error (its totals are within 15% of measured CPU peaks): leave room, e.g. with "
+            "the settings below"
+        )
     return "\n".join(lines)
 
 
@@ -461,20 +430,14 @@ def planned_line(cfg: Any, ranks: int, device: str, device_gb: float) -> str | N
     )
 
 
-if __name__ == "__main__":  # python -m flowgrpo.config.memory: the table of docs/memory.md
-    print(docs_table())
-
-
 __all__ = [
     "ACT_PER_WIDTH",
-    "docs_table",
-    "settings_that_fit",
     "Plan",
     "build_on_meta",
     "format_plan",
     "planned_line",
     "known_models",
     "plan_memory",
+    "preset_model",
     "read_model_configs",
-    "suggestions",
 ]

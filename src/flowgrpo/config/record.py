@@ -51,7 +51,11 @@ NOT_RUN_DEFINING = (
     "sample.rollout_batch_size",
     "update.micro_batch_size",
     "advantage.async_reward",
+    "model.embed_cache_dir",  # the same embeddings, read from a cache
+    "model.vae_slicing",  # the same decode, a sample at a time
 )
+#: config.yaml's header line holding the base model's fingerprint (``checks.base_fingerprint``)
+BASE_LINE = "# base model: "
 
 
 def command_line() -> str:
@@ -68,13 +72,16 @@ def command_line() -> str:
 def record_text(cfg: Any) -> str:
     """``config.yaml``'s text: a header with the command line, then the resolved config with
     its secrets redacted (loadable by ``read_record``)."""
+    from flowgrpo.config.checks import base_fingerprint
     from flowgrpo.config.loader import _Dumper, config_to_dict
 
     body = yaml.dump(redact(config_to_dict(cfg)), Dumper=_Dumper, sort_keys=False, width=100)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    base = base_fingerprint(cfg.model.path) if cfg.model.path else None
+    base_line = f"{BASE_LINE}{base} (the trained transformer's config and weight files)\n"
     return (
         f"# the resolved config of this run ({stamp}; secrets redacted)\n"
-        f"# command: {command_line()}\n{body}"
+        f"# command: {command_line()}\n{base_line if base else ''}{body}"
     )
 
 
@@ -157,6 +164,7 @@ def check_resume(cfg: Any, checkpoint: str | Path) -> None:
     recorded = checkpoint_record(checkpoint)
     if recorded is None or cfg.trainer.allow_config_change:
         return
+    _check_base(cfg, Path(checkpoint))
     diff = changed_keys(recorded, config_to_dict(cfg))
     if diff:
         shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
@@ -167,7 +175,33 @@ def check_resume(cfg: Any, checkpoint: str | Path) -> None:
         )
 
 
+def _check_base(cfg: Any, checkpoint: Path) -> None:
+    """Refuse a resume on another base model than the recorded one (LoRA adapters and a
+    reference policy sit on the base: the run would continue on other weights)."""
+    from flowgrpo.config.checks import base_fingerprint
+
+    for folder in (checkpoint, checkpoint.parent.parent):
+        path = folder / RUN_CONFIG
+        if path.is_file():
+            lines = path.read_text().splitlines()[:4]
+            old = next(
+                (x[len(BASE_LINE) :].split()[0] for x in lines if x.startswith(BASE_LINE)), None
+            )
+            break
+    else:
+        return
+    now = base_fingerprint(cfg.model.path) if cfg.model.path else None
+    if old is not None and now is not None and old != now:
+        raise ConfigError(
+            f"cannot resume {checkpoint}: config key 'model.path' {cfg.model.path} is another "
+            f"base model than the run's (fingerprint {now}, recorded {old}: the transformer's "
+            "config or weight files differ); point model.path at the run's base model, or "
+            "pass trainer.allow_config_change=true if intended"
+        )
+
+
 __all__ = [
+    "BASE_LINE",
     "NOT_RUN_DEFINING",
     "RUN_CONFIG",
     "RUN_DEFINING",

@@ -5,11 +5,12 @@ problem raises a one-line ``ConfigError``."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from flowgrpo.config.schema import Config
 from flowgrpo.models.registry import PRESET_PIPELINES  # which pipelines each preset is for
-from flowgrpo.settings import BUILTIN, DEFAULT_PRESET, ConfigError, check_section
+from flowgrpo.settings import BUILTIN, ConfigError, check_section
 
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 #: everything a training run writes into run.output_dir (``run.overwrite`` deletes only these)
@@ -74,6 +75,7 @@ _PATH_OPTION = ("path", "dir")
 def _check_model(cfg: Config, preset: str) -> None:
     """model.path exists (a local folder, or a hub id in the local Hugging Face cache) and,
     for a shipped preset, holds the pipeline the preset is made for."""
+    from flowgrpo.config.checks import check_preset_pipeline
     from flowgrpo.models.registry import read_model_index, resolve_model_path
 
     try:
@@ -82,26 +84,13 @@ def _check_model(cfg: Config, preset: str) -> None:
         raise ConfigError(f"config key 'model.path': {e}") from None
     if not root.exists():
         raise ConfigError(f"config key 'model.path': {cfg.model.path} does not exist")
-    made_for = PRESET_PIPELINES.get(preset)
-    if made_for is None or not (root / "model_index.json").is_file():
+    if PRESET_PIPELINES.get(preset) is None or not (root / "model_index.json").is_file():
         return  # a custom preset, or not a pipeline folder (load_pipeline says so)
     try:
         found = read_model_index(root).get("_class_name")
     except ValueError:
         return
-    if found in made_for:
-        return
-    fits = [name for name, classes in PRESET_PIPELINES.items() if found in classes]
-    default = " (the default, used when no preset is named)" if preset == DEFAULT_PRESET else ""
-    advice = (
-        f"name the preset that fits it: flowgrpo train {fits[0]} model.path=..."
-        if fits
-        else "no shipped preset fits it; start a YAML file from the closest (docs/training.md)"
-    )
-    raise ConfigError(
-        f"config key 'model.path': {cfg.model.path} holds a {found}, but preset {preset!r}"
-        f"{default} is made for {', '.join(made_for)}: {advice}"
-    )
+    check_preset_pipeline(preset, str(found), cfg.model.path)
 
 
 def _check_reward_paths(cfg: Config) -> None:
@@ -183,23 +172,17 @@ def _check_source_rewards(cfg: Config, key: str) -> None:
                 )
 
 
-def _check_model_size(cfg: Config) -> None:
-    """model.height / width / num_frames against the family's rule (its config files only, no
-    weights): a size the model would round or fail on is a one-line error here."""
-    from flowgrpo.models.base import check_size
-    from flowgrpo.models.registry import size_rule_of
+def _check_model_run(cfg: Config, command: str) -> None:
+    """The checks shared with the memory planner (``flowgrpo.config.checks``): the size, the
+    family options, the heads against fsdp.sp_degree, from the model's config files alone (no
+    weights); for ``train`` also the world size (``WORLD_SIZE``, set by torchrun; 1 without)
+    against the parallel layout and the global batch."""
+    from flowgrpo.config.checks import check_model_run, local_model_configs
 
-    m = cfg.model
-    try:
-        rule = size_rule_of(m.path)
-    except (OSError, ValueError):  # not a pipeline directory: loading it says so
-        return
-    if rule is None:
-        return
-    try:
-        check_size(rule, m.height, m.width, m.num_frames, key="config key 'model.{}'")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    configs = local_model_configs(cfg.model.path)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1) if command == "train" else None
+    if configs is not None:
+        check_model_run(cfg, configs, world_size=world)
 
 
 def _check_paths(cfg: Config, command: str) -> None:
@@ -211,7 +194,7 @@ def _check_paths(cfg: Config, command: str) -> None:
         )
     if not m.path.startswith(BUILTIN):
         _check_model(cfg, preset)
-    _check_model_size(cfg)
+    _check_model_run(cfg, command)
     needs_data = command == "train" or (command == "eval" and not d.eval_prompts)
     if needs_data and not d.train_prompts:
         raise ConfigError(

@@ -27,6 +27,7 @@ are the same):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,14 @@ import torch
 from flowgrpo.models.base import PromptEmbeds, TokenCounts, planner_vae
 from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.qwen_image_edit import to_pil
+
+
+def _check_source_size(m: int, source_size: int | None) -> None:
+    if source_size is not None and (source_size < m or source_size % m):
+        raise ValueError(
+            f"model.source_size must be a positive multiple of {m} for FLUX.1 "
+            f"Kontext (VAE {m // 2} x 2x2 packing), got {source_size}"
+        )
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -63,13 +72,15 @@ class FluxKontextAdapter(FluxAdapter):
         super().__init__(
             pipe, true_cfg_scale=true_cfg_scale, max_sequence_length=max_sequence_length
         )
-        m = pipe.vae_scale_factor * 2
-        if source_size is not None and (source_size < m or source_size % m):
-            raise ValueError(
-                f"source_size must be a positive multiple of {m} for FLUX.1 Kontext (VAE "
-                f"{m // 2} x 2x2 packing), got {source_size}"
-            )
+        _check_source_size(pipe.vae_scale_factor * 2, source_size)
         self.source_size_px = source_size
+
+    @classmethod
+    def check_options(cls, config: Callable[[str], dict], options: dict[str, Any]) -> None:
+        """``source_size`` against the VAE's rule, from the config files alone (what the
+        trainer and the planner check before anything loads)."""
+        blocks = config("vae").get("block_out_channels", (0,) * 4)
+        _check_source_size(2 ** (len(blocks) - 1) * 2, options.get("source_size"))
 
     @classmethod
     def token_counts(

@@ -286,6 +286,23 @@ class HunyuanVideo15Adapter(DiffusionAdapter):
         m = s * int(tr.get("patch_size", 1))
         return SizeRule("HunyuanVideo-1.5", (m, m), f"VAE {s} x patch", frame_step=t)
 
+    @classmethod
+    def native_size(cls, config: Callable[[str], dict]) -> tuple[int, int, int] | None:
+        """(height, width, frames) the stock pipeline generates without a size: the 16:9
+        bucket of the transformer's ``target_size`` (720p: 720 x 1280; 480p: 480 x 848) and
+        121 frames, as ``HunyuanVideo15Pipeline.__call__`` picks them."""
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import (
+            HunyuanVideo15ImageProcessor,
+        )
+
+        target = config("transformer").get("target_size")
+        if not target:
+            return None
+        s = int(config("vae").get("spatial_compression_ratio", 16))
+        proc = HunyuanVideo15ImageProcessor(vae_scale_factor=s)
+        h, w = proc.calculate_default_height_width(9, 16, int(target))
+        return int(h), int(w), 121
+
     def check_num_frames(self, num_frames: int | None) -> int:
         num_frames = self.num_frames if num_frames is None else num_frames
         t = self.pipe.vae_scale_factor_temporal

@@ -54,7 +54,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
-#: docs/memory.md's table (``flowgrpo.config.memory.docs_table``)
+#: docs/memory.md's table (``flowgrpo.config.memory_advice.docs_table``)
 PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("qwen-image-ocr", "qwen-image", []),
     ("flux-pickscore", "flux.1-dev", []),
@@ -147,9 +147,12 @@ def _init_options(adapter_cls: type) -> set[str]:
     return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
-def adapter_options(pipeline_cls: type) -> set[str]:
-    """The keyword options the adapter of ``pipeline_cls`` takes (e.g. ``true_cfg_scale``):
-    its ``__init__`` keywords after the pipeline, each a ``model.*`` setting of the config."""
+def adapter_options(pipeline_cls: type | str) -> set[str]:
+    """The keyword options the adapter of ``pipeline_cls`` (a class, or a supported class's
+    name) takes (e.g. ``true_cfg_scale``): its ``__init__`` keywords after the pipeline, each a
+    ``model.*`` setting of the config."""
+    if isinstance(pipeline_cls, str):
+        return _init_options(import_adapter(SUPPORTED_PIPELINES[pipeline_cls]))
     return _init_options(import_adapter(resolve_adapter_path(pipeline_cls)))
 
 

@@ -174,11 +174,11 @@ def validate_images(images: Any, prompts: Any, metadata: Any) -> None:
 
 def to_score_tensor(values: Any, batch_size: int, name: str) -> torch.Tensor:
     """Scores -> float32 CPU tensor [B]; ValueError naming ``name`` if not B finite numbers."""
-    try:
+    try:  # fp64 first: a finite score beyond fp32's range is named as such, not "non-finite"
         if isinstance(values, torch.Tensor):
-            t = values.detach().to("cpu", torch.float32)
+            t = values.detach().to("cpu", torch.float64)
         else:
-            t = torch.as_tensor([float(v) for v in values], dtype=torch.float32)
+            t = torch.as_tensor([float(v) for v in values], dtype=torch.float64)
     except (TypeError, ValueError) as e:
         raise ValueError(f"reward {name!r} returned non-numeric scores: {e}") from e
     if t.dim() != 1 or t.numel() != batch_size:
@@ -189,7 +189,14 @@ def to_score_tensor(values: Any, batch_size: int, name: str) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()):
         bad = torch.nonzero(~torch.isfinite(t)).flatten().tolist()
         raise ValueError(f"reward {name!r} returned non-finite scores at indices {bad}")
-    return t
+    big = t.abs() > torch.finfo(torch.float32).max
+    if bool(big.any()):
+        bad = torch.nonzero(big).flatten().tolist()
+        raise ValueError(
+            f"reward {name!r} returned scores beyond float32's range (|score| > 3.4e38) at "
+            f"indices {bad}: scale the reward down"
+        )
+    return t.to(torch.float32)
 
 
 def takes_video(fn: Any) -> bool:

@@ -1,0 +1,201 @@
+"""The checks of a run that need the model's config files (never a weight) and the world size:
+one set, used by ``flowgrpo train`` (``validate``, before anything loads) and by ``flowgrpo
+memory`` (``plan_memory``), so that the planner never plans a run the trainer refuses.
+
+Each problem is a one-line ``ConfigError`` naming the setting: the preset against the model's
+pipeline, ``model.*`` family options the model does not take (or values it refuses), the size
+(``model.height``/``width``/``num_frames`` against the family's ``SizeRule``), the attention
+heads against ``fsdp.sp_degree``, and the world size against ``fsdp.replicate_degree`` x
+``fsdp.sp_degree`` and the step's global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from flowgrpo.settings import DEFAULT_PRESET, ConfigError
+
+
+def local_model_configs(path: str) -> dict[str, Any] | None:
+    """{"model_index": ..., component: config} of a local pipeline folder (components without a
+    ``config.json`` left out); None when ``path`` is not a pipeline folder (loading says so)."""
+    from flowgrpo.models.registry import read_model_index, resolve_model_path
+
+    try:
+        index = read_model_index(path)
+        root = resolve_model_path(path)
+    except (OSError, ValueError):
+        return None
+    out: dict[str, Any] = {"model_index": index}
+    for comp in index:
+        try:
+            data = json.loads((Path(root) / comp / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            out[comp] = data
+    return out
+
+
+def check_preset_pipeline(preset: str | None, pipeline: str, model_path: str) -> None:
+    """A shipped preset names the pipeline classes it is made for: another one is refused."""
+    from flowgrpo.models.registry import PRESET_PIPELINES
+
+    made_for = PRESET_PIPELINES.get(preset or "")
+    if made_for is None or pipeline in made_for:
+        return
+    fits = [name for name, classes in PRESET_PIPELINES.items() if pipeline in classes]
+    default = " (the default, used when no preset is named)" if preset == DEFAULT_PRESET else ""
+    advice = (
+        f"name the preset that fits it: flowgrpo train {fits[0]} model.path=..."
+        if fits
+        else "no shipped preset fits it; start a YAML file from the closest (docs/training.md)"
+    )
+    raise ConfigError(
+        f"config key 'model.path': {model_path} holds a {pipeline}, but preset {preset!r}"
+        f"{default} is made for {', '.join(made_for)}: {advice}"
+    )
+
+
+def set_family_options(model_cfg: Any) -> dict[str, Any]:
+    """The family options (``model.*`` settings some adapter takes) that differ from their
+    defaults: what the trainer passes to the adapter."""
+    from flowgrpo.models.registry import family_options
+
+    family, defaults = family_options(), type(model_cfg)()
+    return {
+        f.name: getattr(model_cfg, f.name)
+        for f in dataclasses.fields(model_cfg)
+        if f.name in family and getattr(model_cfg, f.name) != getattr(defaults, f.name)
+    }
+
+
+def _heads(config: dict[str, Any]) -> int | None:
+    for key in ("num_attention_heads", "n_heads", "num_heads"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    return None
+
+
+def check_world(cfg: Any, world_size: int, label: str = "world size") -> None:
+    """``world_size`` ranks against ``fsdp.replicate_degree`` x ``fsdp.sp_degree`` and the
+    step's global batch (each data-parallel rank takes an equal share); ``label`` names the
+    count in the error (the planner's ``--gpus``)."""
+    from flowgrpo.data.prompts import check_divides
+    from flowgrpo.engine.config import parallel_layout
+
+    fs = cfg.fsdp
+    try:
+        layout = parallel_layout(world_size, fs.replicate_degree, fs.sp_degree)
+        check_divides(cfg.sample.prompts_per_step * cfg.sample.group_size, layout.dp)
+    except ValueError as e:
+        raise ConfigError(str(e).replace(f"world size {world_size}", label)) from None
+
+
+def check_model_run(
+    cfg: Any, configs: dict[str, Any], *, world_size: int | None = None, label: str = "world size"
+) -> None:
+    """Every check of ``cfg`` against the model's config files (``configs``: model_index and
+    each component's config) and, given ``world_size``, against the ranks (``check_world``;
+    ``label`` names that count in the error).
+    ConfigError on the first problem; a pipeline without an adapter is left to the loader."""
+    from flowgrpo.models.base import check_size
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, adapter_options, import_adapter
+
+    m = cfg.model
+    pipeline = str(configs.get("model_index", {}).get("_class_name", ""))
+    if pipeline not in SUPPORTED_PIPELINES:
+        return
+    check_preset_pipeline(cfg.preset, pipeline, str(m.path))
+    adapter = import_adapter(SUPPORTED_PIPELINES[pipeline])
+
+    def config(component: str) -> dict:
+        data = configs.get(component)
+        return data if isinstance(data, dict) else {}
+
+    try:
+        rule = adapter.size_rule(config)
+        if rule is not None:
+            check_size(rule, m.height, m.width, m.num_frames, key="config key 'model.{}'")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    options = set_family_options(m)
+    takes = adapter_options(pipeline)
+    for key in options:
+        if key not in takes:
+            raise ConfigError(
+                f"model.{key} does not apply to {pipeline} (the options it "
+                f"takes: {', '.join(sorted(takes)) or 'none'}): unset it"
+            )
+
+    check_options = getattr(adapter, "check_options", None)
+    if check_options is not None:
+        try:
+            check_options(config, options)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    sp = cfg.fsdp.sp_degree
+    if sp > 1:
+        for comp in adapter.trained_components(configs["model_index"]):
+            heads = _heads(config(comp))
+            if heads is not None and heads % sp:
+                raise ConfigError(
+                    f"config key 'fsdp.sp_degree': {pipeline}'s {comp} has {heads} attention "
+                    f"heads, which do not split over sp_degree={sp} (Ulysses gives each rank "
+                    "heads / sp of them): use a divisor of the heads"
+                )
+    if world_size is not None:
+        check_world(cfg, world_size, f"{label} {world_size}")
+
+
+def base_fingerprint(model_path: str) -> str | None:
+    """A short hash of the base transformer(s) at ``model_path``: each trained component's
+    ``config.json`` and the names and sizes of its weight files (no weight is read). Equal for
+    two copies of one model, different for another model; None where it cannot be read (a
+    path that is not a pipeline folder). A run records it; a resume compares it."""
+    import hashlib
+
+    from flowgrpo.models.registry import (
+        SUPPORTED_PIPELINES,
+        import_adapter,
+        read_model_index,
+        resolve_model_path,
+    )
+
+    try:
+        index = read_model_index(model_path)
+        root = Path(resolve_model_path(model_path))
+    except (OSError, ValueError):
+        return None
+    name = index.get("_class_name")
+    comps = ["transformer"]
+    if name in SUPPORTED_PIPELINES:
+        comps = list(import_adapter(SUPPORTED_PIPELINES[name]).trained_components(index))
+    h = hashlib.sha256(str(name).encode())
+    for comp in comps:
+        folder = root / comp
+        if not folder.is_dir():
+            continue
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        config = {k: v for k, v in config.items() if not k.startswith("_")}  # versions, paths
+        h.update(comp.encode() + json.dumps(config, sort_keys=True).encode())
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"):
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+__all__ = [
+    "base_fingerprint",
+    "check_model_run",
+    "check_preset_pipeline",
+    "check_world",
+    "local_model_configs",
+    "set_family_options",
+]
