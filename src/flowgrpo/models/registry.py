@@ -51,6 +51,8 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
     "qwen-image-edit-counting": ("QwenImageEditPipeline",),
     "flux-kontext-counting": ("FluxKontextPipeline",),
+    "sd3-geneval": ("StableDiffusion3Pipeline",),
+    "sd3-vlm-judge": ("StableDiffusion3Pipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
@@ -59,6 +61,8 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("qwen-image-ocr", "qwen-image", []),
     ("flux-pickscore", "flux.1-dev", []),
     ("sd3-ocr", "sd3.5-medium", []),
+    ("sd3-geneval", "sd3.5-medium", []),
+    ("sd3-vlm-judge", "sd3.5-medium", []),
     ("sd3-ocr", "sd3.5-large", []),
     ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
     ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),

@@ -35,7 +35,7 @@ _REGISTRY: dict[str, Any] = {
     "clip_score": "flowgrpo.rewards.clip:ClipScore",
     "pickscore": "flowgrpo.rewards.clip:PickScore",
     "remote": "flowgrpo.rewards.remote:RemoteReward",
-    "geneval": "flowgrpo.rewards.geneval:GenEval",
+    "geneval": "flowgrpo.rewards.geneval_detectors:GenEval",
     "temporal_consistency": "flowgrpo.rewards.video:temporal_consistency",
     "image_similarity": "flowgrpo.rewards.similarity:ImageSimilarity",
     "vlm_judge": "flowgrpo.rewards.vlm_judge:VlmJudge",

@@ -18,8 +18,9 @@ or more. Three scores per image:
 A detector is any object with ``detect(images, classnames) -> [{class: [(box, mask), ...]}]``
 (``box`` = [x0, y0, x1, y1, score] in pixels, ``mask`` an [H, W] bool array or None); a colour
 classifier any object with ``classify(image, objects, classname) -> [colour, ...]``. The
-built-in ones (OWLv2 + CLIP in process, GenEval's Mask2Former through mmdet) live in
-``geneval_detectors.py``.
+built-in ones (OWLv2 + CLIP in process, GenEval's Mask2Former through mmdet) and the
+registered reward ``GenEval`` that builds them from its options live in
+``geneval_detectors.py`` (which imports this module, never the other way round).
 """
 
 from __future__ import annotations
@@ -393,78 +394,7 @@ def missing_options(options: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-class GenEval(GenEvalScorer):
-    """The ``geneval`` reward: GenEval's rules over ``detector`` = ``owlv2`` (in process,
-    ``path`` = an OWLv2 directory), ``mmdet`` (``config`` + ``checkpoint`` of GenEval's
-    Mask2Former; where mmdet is installed, e.g. behind ``flowgrpo reward-server``) or an
-    import path ``pkg.mod:factory`` called with ``detector_options``. ``clip_path``: the CLIP
-    ViT-L/14 directory of the colour rule. ``threshold`` / ``counting_threshold`` default by
-    detector (``DETECTOR_THRESHOLDS``; GenEval's for a custom one). ``jpeg_quality=75``
-    scores JPEG copies, as flow_grpo's client sends its server (PIL's default quality)."""
-
-    def __init__(
-        self,
-        detector: str = "owlv2",
-        path: str | None = None,
-        clip_path: str | None = None,
-        clip_processor_path: str | None = None,
-        config: str | None = None,
-        checkpoint: str | None = None,
-        detector_options: dict[str, Any] | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        score: str = "partial",
-        threshold: float | None = None,
-        counting_threshold: float | None = None,
-        max_objects: int = 16,
-        nms_threshold: float = 1.0,
-        position_threshold: float = 0.1,
-        batch_size: int = 4,
-        jpeg_quality: int | None = None,
-    ) -> None:
-        from flowgrpo.rewards import geneval_detectors as gd
-
-        if score not in SCORES:
-            raise ValueError(
-                f"reward 'geneval': score must be one of {list(SCORES)}, got {score!r}"
-            )
-        if dtype not in gd._DTYPES:
-            raise ValueError(
-                f"reward 'geneval': dtype must be one of {sorted(gd._DTYPES)}, got {dtype!r}"
-            )
-        if detector not in DETECTOR_THRESHOLDS and ":" not in detector:
-            raise ValueError(
-                "reward 'geneval': detector must be 'owlv2', 'mmdet' or 'package.module:factory', "
-                f"got {detector!r}"
-            )
-        lo, hi = DETECTOR_THRESHOLDS.get(detector, (0.3, 0.9))
-        th = Thresholds(
-            lo if threshold is None else float(threshold),
-            hi if counting_threshold is None else float(counting_threshold),
-            int(max_objects),
-            float(nms_threshold),
-            float(position_threshold),
-        )
-        colours = gd.ClipColours(
-            clip_path, processor_path=clip_processor_path, device=device, dtype=dtype
-        )
-        opts = dict(detector_options or {})
-        if detector == "owlv2":
-            opts.setdefault("min_score", min(th.threshold, th.counting_threshold))
-            det: Any = gd.Owlv2Detector(
-                path, device=device, dtype=dtype, batch_size=batch_size, **opts
-            )
-        elif detector == "mmdet":
-            det = gd.MmdetDetector(config, checkpoint, device=device, **opts)
-        else:
-            from flowgrpo.rewards.base import _import_path
-
-            det = _import_path(detector)(**opts)
-        super().__init__(det, colours, score=score, thresholds=th, jpeg_quality=jpeg_quality)
-
-
 __all__ = [
-    "GenEval",
     "missing_options",
     "COLORS",
     "OBJECT_NAMES",

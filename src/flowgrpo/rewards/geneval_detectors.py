@@ -26,7 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from flowgrpo.rewards.clip import _DTYPES, CLIP_MEAN, CLIP_STD, image_transform
-from flowgrpo.rewards.geneval import COLORS, OBJECT_NAMES, Obj
+from flowgrpo.rewards.geneval import (
+    COLORS,
+    DETECTOR_THRESHOLDS,
+    OBJECT_NAMES,
+    SCORES,
+    GenEvalScorer,
+    Obj,
+    Thresholds,
+)
 
 TEMPLATES = (
     "a photo of a {c} {name}",
@@ -320,4 +328,80 @@ class MmdetDetector:
         return [mmdet_objects(r) for r in self._infer(self.model, arrays)]
 
 
-__all__ = ["ClipColours", "MmdetDetector", "Owlv2Detector", "TEMPLATES", "mmdet_objects", "nms"]
+class GenEval(GenEvalScorer):
+    """The ``geneval`` reward: GenEval's rules over ``detector`` = ``owlv2`` (in process,
+    ``path`` = an OWLv2 directory), ``mmdet`` (``config`` + ``checkpoint`` of GenEval's
+    Mask2Former; where mmdet is installed, e.g. behind ``flowgrpo reward-server``) or an
+    import path ``pkg.mod:factory`` called with ``detector_options``. ``clip_path``: the CLIP
+    ViT-L/14 directory of the colour rule. ``threshold`` / ``counting_threshold`` default by
+    detector (``DETECTOR_THRESHOLDS``; GenEval's for a custom one). ``jpeg_quality=75``
+    scores JPEG copies, as flow_grpo's client sends its server (PIL's default quality)."""
+
+    def __init__(
+        self,
+        detector: str = "owlv2",
+        path: str | None = None,
+        clip_path: str | None = None,
+        clip_processor_path: str | None = None,
+        config: str | None = None,
+        checkpoint: str | None = None,
+        detector_options: dict[str, Any] | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        score: str = "partial",
+        threshold: float | None = None,
+        counting_threshold: float | None = None,
+        max_objects: int = 16,
+        nms_threshold: float = 1.0,
+        position_threshold: float = 0.1,
+        batch_size: int = 4,
+        jpeg_quality: int | None = None,
+    ) -> None:
+        if score not in SCORES:
+            raise ValueError(
+                f"reward 'geneval': score must be one of {list(SCORES)}, got {score!r}"
+            )
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"reward 'geneval': dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"
+            )
+        if detector not in DETECTOR_THRESHOLDS and ":" not in detector:
+            raise ValueError(
+                "reward 'geneval': detector must be 'owlv2', 'mmdet' or 'package.module:factory', "
+                f"got {detector!r}"
+            )
+        lo, hi = DETECTOR_THRESHOLDS.get(detector, (0.3, 0.9))
+        th = Thresholds(
+            lo if threshold is None else float(threshold),
+            hi if counting_threshold is None else float(counting_threshold),
+            int(max_objects),
+            float(nms_threshold),
+            float(position_threshold),
+        )
+        colours = ClipColours(
+            clip_path, processor_path=clip_processor_path, device=device, dtype=dtype
+        )
+        opts = dict(detector_options or {})
+        if detector == "owlv2":
+            opts.setdefault("min_score", min(th.threshold, th.counting_threshold))
+            det: Any = Owlv2Detector(
+                path, device=device, dtype=dtype, batch_size=batch_size, **opts
+            )
+        elif detector == "mmdet":
+            det = MmdetDetector(config, checkpoint, device=device, **opts)
+        else:
+            from flowgrpo.rewards.base import _import_path
+
+            det = _import_path(detector)(**opts)
+        super().__init__(det, colours, score=score, thresholds=th, jpeg_quality=jpeg_quality)
+
+
+__all__ = [
+    "GenEval",
+    "ClipColours",
+    "MmdetDetector",
+    "Owlv2Detector",
+    "TEMPLATES",
+    "mmdet_objects",
+    "nms",
+]
