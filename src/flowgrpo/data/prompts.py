@@ -121,7 +121,7 @@ def _image_paths(row: dict[str, Any], base: Path, where: str) -> tuple[str, ...]
     for name in names:
         p = (base / name).expanduser()
         if not p.is_file():
-            raise ValueError(f"{where}: image {p} not found")
+            raise ValueError(f"{where}: image {p} {not_a_file(p)}")
         try:
             from PIL import Image
 
@@ -131,6 +131,28 @@ def _image_paths(row: dict[str, Any], base: Path, where: str) -> tuple[str, ...]
             raise ValueError(f"{where}: image {p} cannot be decoded ({type(e).__name__})") from None
         out.append(str(p))
     return tuple(out)
+
+
+def not_a_file(path: Path, kind: str = "an image") -> str:
+    """Why ``path`` is no readable file, for "<path> <why>": a directory, a symlink loop, a
+    broken symlink (and its target), or not found (``kind``: "an image", "a prompt")."""
+    import errno
+    import os
+
+    if path.is_dir():
+        return f"is a directory, not {kind} file"
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13 says "Symlink loop" so
+            return "is a symlink loop"
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "is a symlink loop"
+            return f"is a broken symlink (to {os.readlink(path)})"
+    if path.exists():
+        return f"is not a regular file (it cannot be read as {kind} file)"
+    return "not found"
 
 
 #: prompt sets shipped in the package: ``builtin:NAME`` -> a function returning the dataset
@@ -183,15 +205,64 @@ def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptD
     return PromptDataset(prompts, meta, str(path), where_all, images)
 
 
+def text_lines(text: str) -> list[str]:
+    """A file's lines split on "\\n" only, a trailing "\\r" dropped: ``str.splitlines`` also
+    splits on U+2028, U+0085, \\v, \\f and others, which may sit inside a prompt (and, raw,
+    inside a JSON string), and would shift every later line number."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [s[:-1] if s.endswith("\r") else s for s in lines]
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice is an error (JSON keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _surrogate_field(value: Any) -> bool:
+    """True when ``value`` (a JSON value) holds a string with a lone surrogate (a "\\ud800"
+    escape without its pair): not text, which no tokenizer or UTF-8 file can take."""
+    if isinstance(value, str):
+        return any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, dict):
+        return any(_surrogate_field(k) or _surrogate_field(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_surrogate_field(v) for v in value)
+    return False
+
+
 def _load_jsonl(path: Path) -> PromptDataset:
     rows = []
-    for n, line in enumerate(read_text(path).splitlines(), start=1):
+    for n, line in enumerate(text_lines(read_text(path)), start=1):
         if not line.strip():
             continue
         try:
-            rows.append((n, json.loads(line)))
+            row = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        except _DuplicateKey as e:
+            raise ValueError(
+                f"{path}:{n}: duplicate key {e.args[0]!r} in the record (JSON would keep the "
+                "last silently): give each key once"
+            ) from None
+        if isinstance(row, dict):
+            for key, value in row.items():
+                if _surrogate_field(key) or _surrogate_field(value):
+                    raise ValueError(
+                        f"{path}:{n}: field {key!r} holds a lone surrogate (a \\ud800-\\udfff "
+                        "escape without its pair), which is not text: fix the escape"
+                    )
+        rows.append((n, row))
     return _from_records(rows, path, "line")
 
 
@@ -215,10 +286,13 @@ def load_prompts(path: str | Path) -> PromptDataset:
         return builtin_prompts(str(path)[len(BUILTIN) :])
     p = Path(path).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        what = not_a_file(p, "a prompt")
+        if what == "not found":
+            raise FileNotFoundError(f"prompt file not found: {path}")
+        raise ValueError(f"prompt file {path} {what}")
     suffix = p.suffix.lower()
     if suffix == ".txt":
-        lines = [(n, s.strip()) for n, s in enumerate(read_text(p).splitlines(), 1) if s.strip()]
+        lines = [(n, s.strip()) for n, s in enumerate(text_lines(read_text(p)), 1) if s.strip()]
         ds = PromptDataset(
             [s for _, s in lines], source=str(p), locations=[f"{p}:{n}" for n, _ in lines]
         )
