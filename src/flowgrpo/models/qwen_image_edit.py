@@ -141,6 +141,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         w, h = image.size
         return cls._dims_at(area, w / h)
 
+    def source_layout(self, row: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        """(width, height) each source of ``row`` ([3, H, W]) resizes to for the VAE: rows of
+        different layouts are encoded and run as separate batches (``DiffusionAdapter``)."""
+        return tuple(self._dims_at(self.vae_area, im.shape[-1] / im.shape[-2]) for im in row)
+
     def _check_rows(self, images: list[list[torch.Tensor]]) -> None:
         if self.max_images is not None and any(len(r) > self.max_images for r in images):
             raise ValueError(
