@@ -47,6 +47,7 @@ class FluxKontextAdapter(FluxAdapter):
     """
 
     edits = True
+    max_images: int | None = 1  # source images per prompt (the config check reads it)
     #: FLUX's targets plus the single blocks' ``proj_mlp``, as flow_grpo's Kontext training
     #: (yifan123/flow_grpo@2e2f712 scripts/train_flux_kontext.py:411-425)
     lora_target_modules = (*FluxAdapter.lora_target_modules, "proj_mlp")
