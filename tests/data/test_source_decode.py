@@ -128,3 +128,20 @@ def test_sample_prompt_file_decodes_nothing_before_the_config_check(tmp_path, mo
     assert len(rows) == 2 and prompts_mod.SourceRows is type(rows)
     monkeypatch.setattr(prompts_mod, "load_image", lambda p: str(p))
     assert rows[0] == [str(tmp_path / "1.png")] and rows[0:2][1] == [str(tmp_path / "0.png")]
+
+
+def test_a_decoder_value_error_names_the_file(tmp_path, monkeypatch) -> None:
+    """PIL's own ValueError (e.g. "conversion not supported" for an exotic mode) is the
+    file's: one line naming it."""
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "x.png")
+
+    def refuse(self, *a, **k):
+        raise ValueError("conversion from LAB to RGB not supported")
+
+    monkeypatch.setattr(Image.Image, "convert", refuse)
+    with pytest.raises(ValueError) as info:
+        load_image(tmp_path / "x.png")
+    assert str(info.value) == (
+        f"image {tmp_path / 'x.png'} cannot be decoded "
+        "(ValueError: conversion from LAB to RGB not supported)"
+    )

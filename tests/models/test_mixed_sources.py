@@ -98,3 +98,13 @@ def test_source_layouts_pad_and_trim() -> None:
     again = PromptEmbeds.cat([both.select([2, 0]), a])
     assert again.layout_groups() == [[0], [1, 2, 3]] and again.image_latents.shape == (4, 5, 2)
     assert PromptEmbeds.cat([a, a]).layout_groups() is None
+
+
+def test_a_shared_source_converts_to_pil_once() -> None:
+    """A group's samples share their decoded source tensor: the adapter converts it once."""
+    from flowgrpo.models.qwen_image_edit import pil_rows
+
+    a, b = torch.rand(3, 8, 6), torch.rand(3, 4, 4)
+    rows = pil_rows([[a], [b], [a], [a, b]])
+    assert rows[0][0] is rows[2][0] is rows[3][0] and rows[1][0] is rows[3][1]
+    assert rows[0][0].size == (6, 8) and rows[1][0] is not rows[0][0]

@@ -33,7 +33,7 @@ import torch
 
 from flowgrpo.models.base import PromptEmbeds, TokenCounts, planner_vae
 from flowgrpo.models.flux import FluxAdapter
-from flowgrpo.models.qwen_image_edit import to_pil
+from flowgrpo.models.qwen_image_edit import pil_rows
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -124,7 +124,7 @@ class FluxKontextAdapter(FluxAdapter):
                 "FluxKontextAdapter takes one source image per prompt, got "
                 f"{max(len(row) for row in images)}"
             )
-        pils = [to_pil(row[0]) for row in images]
+        pils = [row[0] for row in pil_rows(images)]
         sizes = {self.source_hw(im) for im in pils}
         if len(sizes) > 1:
             raise ValueError(
