@@ -161,6 +161,11 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     images = None
     if args.prompts:
         prompts = list(args.prompts)
+        for text in prompts:  # bytes that are not UTF-8 reach argv as lone surrogates
+            if any("\ud800" <= c <= "\udfff" for c in text):
+                raise ConfigError(
+                    f"--prompts: {text!r} is not UTF-8 text (a lone surrogate): pass UTF-8"
+                )
         if args.image:
             from pathlib import Path
 

@@ -78,3 +78,13 @@ def test_a_source_that_is_a_directory_or_a_symlink_loop_says_so(tmp_path) -> Non
             load_prompts(f)
         msg = str(info.value)
         assert msg == f"{f}:2: image {tmp_path / name} {expected}", msg
+
+
+def test_sample_prompts_that_are_not_utf8_are_one_line(tmp_path, capsys) -> None:
+    """Bytes that are not UTF-8 on the command line reach argv as lone surrogates: refused
+    before anything loads (a tokenizer TypeError otherwise)."""
+    from flowgrpo.cli import main
+
+    assert main(["sample", "--prompts", "ok", "a\udcffb", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--prompts: 'a\\udcffb' is not UTF-8 text" in err and len(err.splitlines()) == 1
