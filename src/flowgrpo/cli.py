@@ -161,27 +161,30 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     images = None
     if args.prompts:
         prompts = list(args.prompts)
+        for text in prompts:  # bytes that are not UTF-8 reach argv as lone surrogates
+            if any("\ud800" <= c <= "\udfff" for c in text):
+                raise ConfigError(
+                    f"--prompts: {text!r} is not UTF-8 text (a lone surrogate): pass UTF-8"
+                )
         if args.image:
             from pathlib import Path
 
-            from flowgrpo.data.prompts import load_image
+            from flowgrpo.data.prompts import load_image, not_a_file
 
             for f in args.image:
                 if not Path(f).is_file():
-                    raise ConfigError(f"--image {f}: not found")
+                    raise ConfigError(f"--image {f}: {not_a_file(Path(f))}")
             try:
                 row = [load_image(f) for f in args.image]
-            except Exception as e:  # noqa: BLE001 - any decoder failure is the file's
-                raise ConfigError(
-                    f"--image: cannot decode {args.image} ({type(e).__name__})"
-                ) from None
+            except ValueError as e:  # "image <file> cannot be decoded (...)"
+                raise ConfigError(f"--image: {e}") from None
             images = [list(row) for _ in prompts]
     elif args.prompt_file:
-        from flowgrpo.data.prompts import load_prompts, source_images
+        from flowgrpo.data.prompts import load_prompts
 
         ds = load_prompts(args.prompt_file)
         prompts = ds.prompts
-        images = source_images(ds.select(range(len(ds)))[1])
+        images = ds.sources(range(len(ds)))  # decoded a batch at a time, as the rollout reads
     else:
         raise ConfigError("flowgrpo sample needs --prompts TEXT ... or --prompt-file FILE")
     cfg = _config_of_checkpoint(args, "sample")

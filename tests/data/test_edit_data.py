@@ -128,3 +128,17 @@ def test_an_edit_models_bad_image_is_a_config_error(tmp_path, image, expected) -
     message = config_error(tmp_path, "QwenImageEditPipeline", rows)
     assert message.startswith("config key 'data.eval_prompts': ")
     assert f"{tmp_path / 'eval.jsonl'}:2: " in message and expected in message
+
+
+@pytest.mark.parametrize("cls", ["QwenImageEditPipeline", "FluxKontextPipeline"])
+def test_more_sources_than_the_model_takes_is_a_config_error(tmp_path, cls) -> None:
+    """Two source images for a one-source model: one line naming the file and line (it
+    stopped the run at its first rollout naming neither)."""
+    write_images(tmp_path)
+    rows = [
+        {"prompt": "a", "image": "imgs/0.png"},
+        {"prompt": "b", "images": ["imgs/0.png", "imgs/1.png"]},
+    ]
+    message = config_error(tmp_path, cls, rows)
+    assert f"{tmp_path / 'eval.jsonl'}:2: 2 source images" in message
+    assert f"{cls}, which takes 1 per prompt" in message

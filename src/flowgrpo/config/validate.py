@@ -122,6 +122,13 @@ def _edits(model_path: str) -> tuple[str, bool] | None:
     return name, bool(getattr(import_adapter(SUPPORTED_PIPELINES[name]), "edits", False))
 
 
+def _max_images(pipeline: str) -> int | None:
+    """How many source images a prompt may have for the editing ``pipeline`` (None: any)."""
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
+
+    return getattr(import_adapter(SUPPORTED_PIPELINES[pipeline]), "max_images", None)
+
+
 def _check_source_images(cfg: Config, key: str, path: str) -> bool:
     """Every source image of the prompt file decodes, and the records fit the model: source
     images for an editing model, none for a text-to-image one (first culprit's file:line).
@@ -138,7 +145,14 @@ def _check_source_images(cfg: Config, key: str, path: str) -> bool:
     if known is None:
         return ds.has_images
     name, edits = known
+    most = _max_images(name) if edits else None
     for where, images in zip(ds.locations, ds.images, strict=True):
+        if most is not None and len(images) > most:
+            raise ConfigError(
+                f"config key {key!r}: {where}: {len(images)} source images, but model.path "
+                f"holds a {name}, which takes {most} per prompt (QwenImageEditPlusPipeline "
+                "takes several)"
+            )
         if edits and not images:
             raise ConfigError(
                 f"config key {key!r}: {where}: no 'image' or 'images' field, but model.path "

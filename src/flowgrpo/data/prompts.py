@@ -3,10 +3,12 @@
 Files: ``.txt`` (one prompt a line, blank lines skipped), ``.jsonl`` (a ``prompt`` field; every
 other field goes to the prompt's metadata dict, which rewards receive, e.g. an OCR target) and
 ``.parquet`` (same columns; needs pyarrow); editing: a record's ``image`` (a path relative to
-the file) or ``images`` (a list of them) names its source images, each checked to decode when
-the file loads; ``select`` gives them to the sample's metadata as ``source_images``, a list of
-[3, H, W] tensors in [0, 1]; ``builtin:NAME`` names a set shipped in the package
-(``builtin:digits``, the toy's).
+the file) or ``images`` (a list of them) names its source images, whose headers are checked
+when the file loads (nothing is decoded then); ``select`` decodes them when a batch needs them
+(each distinct source once, a group's samples sharing it) into the sample's metadata as
+``source_images``, a list of [3, H, W] tensors in [0, 1], decoded as diffusers' ``load_image``
+does (``load_image``); ``builtin:NAME`` names a set shipped in the package
+(``builtin:digits``, the toy's). Lines are split on "\\n" only (``text_lines``).
 
 ``KRepeatSampler``: each step draws m prompts (epoch-wise shuffles without replacement), repeats
 each K times (a group) and shuffles the m*K samples; ``rank_slice`` gives rank r its contiguous
@@ -68,14 +70,37 @@ class PromptDataset:
 
     def select(self, indices: Sequence[int]) -> tuple[list[str], list[dict[str, Any]]]:
         """(prompts, metadata copies) at ``indices`` (repeats allowed); a row with source
-        images gets them decoded as ``metadata["source_images"]`` ([3, H, W] in [0, 1])."""
-        meta = []
+        images gets them decoded as ``metadata["source_images"]`` ([3, H, W] in [0, 1]):
+        each distinct row once per call, its repeats (a group's samples) sharing the tensors
+        (read-only: nothing may modify them in place)."""
+        meta, decoded = [], {}
         for i in indices:
             m = dict(self.metadata[i])
             if self.images[i]:
-                m["source_images"] = [load_image(p) for p in self.images[i]]
+                if i not in decoded:
+                    decoded[i] = self.decode(i)
+                m["source_images"] = list(decoded[i])
             meta.append(m)
         return [self.prompts[i] for i in indices], meta
+
+    def decode(self, i: int) -> list[Any]:
+        """Row ``i``'s source images decoded ([3, H, W] in [0, 1]); ValueError naming the
+        prompt file's line and the image when one cannot be decoded (the file's load checked
+        headers only)."""
+        out = []
+        for p in self.images[i]:
+            try:
+                out.append(load_image(p))
+            except ValueError as e:
+                raise ValueError(f"{self.locations[i]}: {e}") from None
+        return out
+
+    def sources(self, indices: Sequence[int]) -> SourceRows | None:
+        """The source images of rows ``indices`` as a sequence that decodes a row when it is
+        read (``sample --prompt-file``: a batch at a time); None when no row has any."""
+        if not any(self.images[i] for i in indices):
+            return None
+        return SourceRows(self, list(indices))
 
     def subset(self, indices: Sequence[int]) -> PromptDataset:
         p = [self.prompts[i] for i in indices]
@@ -89,14 +114,87 @@ class PromptDataset:
         )
 
 
-def load_image(path: str | Path) -> Any:
-    """An image file as a [3, H, W] float32 tensor in [0, 1] (RGB)."""
-    import torch
+class SourceRows(Sequence):
+    """Rows of a dataset's source images, each decoded when read (``PromptDataset.sources``):
+    ``rows[i]`` a list of [3, H, W] tensors, ``rows[a:b]`` a list of such lists."""
+
+    def __init__(self, ds: PromptDataset, indices: list[int]):
+        self.ds, self.indices = ds, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.ds.decode(j) for j in self.indices[i]]
+        return self.ds.decode(self.indices[i])
+
+
+#: PIL modes whose pixels have no fixed range to read as [0, 1]
+_NO_RANGE = {"I": "32-bit integer", "F": "32-bit float"}
+#: 16-bit greyscale (PNG, TIFF): read at full range (``convert("RGB")`` would clip at 255)
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+class _Refused(ValueError):
+    """An image that decodes but cannot be read right (its message names the file)."""
+
+
+def _check_mode(im: Any, path: str | Path) -> None:
+    """_Refused when ``im``'s pixels cannot be read as [0, 1] without guessing a range."""
+    if im.mode in _NO_RANGE and not (im.mode == "I" and im.format == "PNG"):
+        raise _Refused(
+            f"image {path} has {_NO_RANGE[im.mode]} pixels (PIL mode {im.mode!r}), which have "
+            "no fixed range to read as [0, 1]: save it as an 8- or 16-bit PNG or a JPEG"
+        )
+
+
+def check_image(path: str | Path) -> None:
+    """The image's header only (format, size, mode; no pixels decoded): ValueError when it
+    is no image PIL reads or its pixels have no fixed range (``load_image`` refuses it)."""
     from PIL import Image
 
-    with Image.open(path) as im:
-        arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    try:
+        with Image.open(path) as im:
+            _check_mode(im, path)
+    except _Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 - any reader failure is the file's
+        raise ValueError(f"image {path} cannot be decoded ({_why(e)})") from None
+
+
+def _why(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
+
+
+def load_image(path: str | Path) -> Any:
+    """An image file as a [3, H, W] float32 tensor in [0, 1] (RGB), decoded as diffusers'
+    ``load_image`` does (EXIF orientation applied, ``convert("RGB")``: alpha dropped, palette
+    and greyscale expanded); 16-bit greyscale at its full range (/65535, where
+    ``convert("RGB")`` clips at 255). ValueError naming the file when it cannot be decoded
+    or its pixels (float, 32-bit integer) have no fixed range."""
+    import torch
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(path) as im:
+            _check_mode(im, path)
+            im = ImageOps.exif_transpose(im)  # as diffusers.utils.load_image
+            if im.mode in _SIXTEEN_BIT or im.mode == "I":  # "I": a 16-bit PNG (_check_mode)
+                grey = np.asarray(im).astype(np.float32)
+                grey /= 65535.0
+                arr = np.repeat(grey[None], 3, axis=0)
+            else:  # [3, H, W] float32 in one copy of the pixels (a 6000² source: 432 MB)
+                arr = np.ascontiguousarray(
+                    np.asarray(im.convert("RGB")).transpose(2, 0, 1), dtype=np.float32
+                )
+                arr /= 255.0
+    except _Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 - any decoder failure is the file's
+        raise ValueError(f"image {path} cannot be decoded ({_why(e)})") from None
+    return torch.from_numpy(arr)
 
 
 def source_images(metadata: Sequence[dict[str, Any]]) -> list[list[Any]] | None:
@@ -106,7 +204,8 @@ def source_images(metadata: Sequence[dict[str, Any]]) -> list[list[Any]] | None:
 
 
 def _image_paths(row: dict[str, Any], base: Path, where: str) -> tuple[str, ...]:
-    """A record's ``image`` / ``images`` as checked absolute paths (each decodes)."""
+    """A record's ``image`` / ``images`` as checked absolute paths (each an image file whose
+    header PIL reads and whose pixels have a fixed range; decoded only when a batch needs it)."""
     if "image" in row and "images" in row:
         raise ValueError(f"{where}: give 'image' or 'images', not both")
     raw = row.get("image", row.get("images"))
@@ -121,16 +220,35 @@ def _image_paths(row: dict[str, Any], base: Path, where: str) -> tuple[str, ...]
     for name in names:
         p = (base / name).expanduser()
         if not p.is_file():
-            raise ValueError(f"{where}: image {p} not found")
+            raise ValueError(f"{where}: image {p} {not_a_file(p)}")
         try:
-            from PIL import Image
-
-            with Image.open(p) as im:
-                im.load()
-        except Exception as e:  # noqa: BLE001 - any decoder failure is the file's
-            raise ValueError(f"{where}: image {p} cannot be decoded ({type(e).__name__})") from None
+            check_image(p)  # the header only: a batch decodes it (``select``)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         out.append(str(p))
     return tuple(out)
+
+
+def not_a_file(path: Path, kind: str = "an image") -> str:
+    """Why ``path`` is no readable file, for "<path> <why>": a directory, a symlink loop, a
+    broken symlink (and its target), or not found (``kind``: "an image", "a prompt")."""
+    import errno
+    import os
+
+    if path.is_dir():
+        return f"is a directory, not {kind} file"
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13 says "Symlink loop" so
+            return "is a symlink loop"
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "is a symlink loop"
+            return f"is a broken symlink (to {os.readlink(path)})"
+    if path.exists():
+        return f"is not a regular file (it cannot be read as {kind} file)"
+    return "not found"
 
 
 #: prompt sets shipped in the package: ``builtin:NAME`` -> a function returning the dataset
@@ -183,15 +301,64 @@ def _from_records(rows: list[tuple[int, Any]], path: Path, unit: str) -> PromptD
     return PromptDataset(prompts, meta, str(path), where_all, images)
 
 
+def text_lines(text: str) -> list[str]:
+    """A file's lines split on "\\n" only, a trailing "\\r" dropped: ``str.splitlines`` also
+    splits on U+2028, U+0085, \\v, \\f and others, which may sit inside a prompt (and, raw,
+    inside a JSON string), and would shift every later line number."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [s[:-1] if s.endswith("\r") else s for s in lines]
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice is an error (JSON keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _surrogate_field(value: Any) -> bool:
+    """True when ``value`` (a JSON value) holds a string with a lone surrogate (a "\\ud800"
+    escape without its pair): not text, which no tokenizer or UTF-8 file can take."""
+    if isinstance(value, str):
+        return any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, dict):
+        return any(_surrogate_field(k) or _surrogate_field(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_surrogate_field(v) for v in value)
+    return False
+
+
 def _load_jsonl(path: Path) -> PromptDataset:
     rows = []
-    for n, line in enumerate(read_text(path).splitlines(), start=1):
+    for n, line in enumerate(text_lines(read_text(path)), start=1):
         if not line.strip():
             continue
         try:
-            rows.append((n, json.loads(line)))
+            row = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        except _DuplicateKey as e:
+            raise ValueError(
+                f"{path}:{n}: duplicate key {e.args[0]!r} in the record (JSON would keep the "
+                "last silently): give each key once"
+            ) from None
+        if isinstance(row, dict):
+            for key, value in row.items():
+                if _surrogate_field(key) or _surrogate_field(value):
+                    raise ValueError(
+                        f"{path}:{n}: field {key!r} holds a lone surrogate (a \\ud800-\\udfff "
+                        "escape without its pair), which is not text: fix the escape"
+                    )
+        rows.append((n, row))
     return _from_records(rows, path, "line")
 
 
@@ -215,10 +382,13 @@ def load_prompts(path: str | Path) -> PromptDataset:
         return builtin_prompts(str(path)[len(BUILTIN) :])
     p = Path(path).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        what = not_a_file(p, "a prompt")
+        if what == "not found":
+            raise FileNotFoundError(f"prompt file not found: {path}")
+        raise ValueError(f"prompt file {path} {what}")
     suffix = p.suffix.lower()
     if suffix == ".txt":
-        lines = [(n, s.strip()) for n, s in enumerate(read_text(p).splitlines(), 1) if s.strip()]
+        lines = [(n, s.strip()) for n, s in enumerate(text_lines(read_text(p)), 1) if s.strip()]
         ds = PromptDataset(
             [s for _, s in lines], source=str(p), locations=[f"{p}:{n}" for n, _ in lines]
         )
@@ -385,13 +555,17 @@ class KRepeatSampler:
 __all__ = [
     "KRepeatSampler",
     "PromptDataset",
+    "SourceRows",
     "builtin_prompts",
     "check_divides",
+    "check_image",
     "load_image",
     "load_prompts",
+    "not_a_file",
     "rank_slice",
     "prompt_splits",
     "repeat_for_eval",
     "source_images",
     "split_dataset",
+    "text_lines",
 ]

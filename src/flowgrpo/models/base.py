@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from flowgrpo.models.layouts import SourceLayouts, encode_by_layout, forward_by_layout
+
 
 @dataclass
 class PromptEmbeds:
@@ -28,6 +30,10 @@ class PromptEmbeds:
     images' encoded tokens (never noised, never trained), ``image_shapes`` their layout,
     shared by the batch (a family's own meaning, e.g. one (frames, h, w) per source image).
     They ride with the prompt embeddings so that the training pass sees what the rollout saw.
+    A batch whose rows' sources differ in size (``cat`` / ``select`` of such rows) holds a
+    ``SourceLayouts`` (each row's layout and token count) and ``image_latents`` right-padded
+    to the longest; ``layout_groups`` splits it into batches of one layout, which is what one
+    transformer call takes (``DiffusionAdapter.velocity`` makes a call per layout).
     """
 
     embeds: torch.Tensor
@@ -48,8 +54,26 @@ class PromptEmbeds:
         else:
             embeds, mask = self.embeds[index], None
         pooled = self.pooled[index] if self.pooled is not None else None
+        if isinstance(self.image_shapes, SourceLayouts):
+            at = index.cpu() if isinstance(index, torch.Tensor) else index
+            rows = torch.arange(len(self))[at].reshape(-1).tolist()
+            layouts, lengths = self.image_shapes.layouts, self.image_shapes.lengths
+            images, shapes = SourceLayouts.pack(
+                [self.image_latents[i, : lengths[i]] for i in rows], [layouts[i] for i in rows]
+            )
+            return PromptEmbeds(embeds, mask, pooled, images, shapes)
         images = self.image_latents[index] if self.image_latents is not None else None
         return PromptEmbeds(embeds, mask, pooled, images, self.image_shapes)
+
+    def layout_groups(self) -> list[list[int]] | None:
+        """The rows of each source layout (in order of first appearance) when the rows'
+        source images differ in size; None when they share one layout (or have none)."""
+        if not isinstance(self.image_shapes, SourceLayouts):
+            return None
+        groups: dict[Any, list[int]] = {}
+        for i, layout in enumerate(self.image_shapes.layouts):
+            groups.setdefault(layout, []).append(i)
+        return list(groups.values())
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         """Move (and cast floating tensors; masks keep their dtype)."""
@@ -88,16 +112,27 @@ class PromptEmbeds:
         if parts[0].pooled is not None:
             pooled = torch.cat([p.pooled for p in parts])
         mask = torch.cat(masks) if has_mask else None
-        images = None
-        if parts[0].image_latents is not None:
-            shapes = {p.image_shapes for p in parts}
-            if len(shapes) > 1 or any(p.image_latents is None for p in parts):
-                raise ValueError(
-                    f"cannot batch source images of different sizes ({sorted(map(str, shapes))}): "
-                    "give the samples of a batch source images of one size"
-                )
-            images = torch.cat([p.image_latents for p in parts])
-        return PromptEmbeds(torch.cat(embeds), mask, pooled, images, parts[0].image_shapes)
+        images, shapes = None, parts[0].image_shapes
+        if any(p.image_latents is not None for p in parts):
+            if any(p.image_latents is None for p in parts):
+                raise ValueError("cannot batch prompts with source images and prompts without")
+            if len({p.image_shapes for p in parts}) == 1 and not isinstance(shapes, SourceLayouts):
+                images = torch.cat([p.image_latents for p in parts])
+            else:  # rows of different source sizes: padded, each row's layout kept
+                rows, layouts = [], []
+                for p in parts:
+                    for i in range(len(p)):
+                        layout, n = p.row_layout(i)
+                        rows.append(p.image_latents[i, :n])
+                        layouts.append(layout)
+                images, shapes = SourceLayouts.pack(rows, layouts)
+        return PromptEmbeds(torch.cat(embeds), mask, pooled, images, shapes)
+
+    def row_layout(self, i: int) -> tuple[Any, int]:
+        """Row ``i``'s (source layout, number of source tokens)."""
+        if isinstance(self.image_shapes, SourceLayouts):
+            return self.image_shapes.layouts[i], self.image_shapes.lengths[i]
+        return self.image_shapes, self.image_latents.shape[1]
 
 
 #: how the guidance gradient flows in training: "both" branches (exact, the default) or
@@ -415,6 +450,14 @@ class DiffusionAdapter(ABC):
         An editing family (``edits``) takes each prompt's source ``images`` and encodes them
         with both (never cached: the embeddings depend on the image)."""
         self.check_images(images, len(prompts))
+        if self.edits and images is not None:
+            groups: dict[Any, list[int]] = {}
+            for i, row in enumerate(images):
+                groups.setdefault(self.source_layout(row), []).append(i)
+            if len(groups) > 1:  # sources of different sizes: each size encoded as a batch
+                return encode_by_layout(
+                    self, list(groups.values()), prompts, negative_prompts, guidance_scale, images
+                )
         if self.edits:  # the sources encoded once, for both guidance branches
             sources = self.encode_sources(images)
             encode = lambda texts: self.encode_prompts(texts, images, sources=sources)  # noqa: E731
@@ -432,6 +475,12 @@ class DiffusionAdapter(ABC):
                 f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts"
             )
         return embeds, encode(list(negative_prompts))
+
+    def source_layout(self, row: list[torch.Tensor]) -> Any:
+        """An editing family's layout of one prompt's source images ([3, H, W] each) as one
+        transformer call needs it alike for a whole batch (e.g. the sizes they resize to);
+        rows of different layouts are encoded and run as separate batches."""
+        return None
 
     def velocity(
         self,
@@ -467,6 +516,8 @@ class DiffusionAdapter(ABC):
         kw = dict(height=height, width=width, guidance_scale=guidance_scale)
 
         def call(x: torch.Tensor, s: torch.Tensor, e: PromptEmbeds) -> torch.Tensor:
+            if self.edits:  # one call per source layout (PromptEmbeds.layout_groups)
+                return forward_by_layout(self, transformer, x, s, e, kw).to(out_dtype)
             return self.forward(transformer, x, s, e, **kw).to(out_dtype)
 
         if not self.uses_cfg(guidance_scale):
@@ -491,4 +542,11 @@ class DiffusionAdapter(ABC):
         return self.guide(v_cond, v_uncond, scale)
 
 
-__all__ = ["CFG_GRAD_MODES", "DiffusionAdapter", "PromptEmbeds", "Schedule", "param_dtype"]
+__all__ = [
+    "CFG_GRAD_MODES",
+    "DiffusionAdapter",
+    "PromptEmbeds",
+    "Schedule",
+    "SourceLayouts",
+    "param_dtype",
+]

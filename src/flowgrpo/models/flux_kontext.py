@@ -34,7 +34,7 @@ import torch
 
 from flowgrpo.models.base import PromptEmbeds, TokenCounts, planner_vae
 from flowgrpo.models.flux import FluxAdapter
-from flowgrpo.models.qwen_image_edit import to_pil
+from flowgrpo.models.qwen_image_edit import pil_rows
 
 
 def _check_source_size(m: int, source_size: int | None) -> None:
@@ -56,6 +56,7 @@ class FluxKontextAdapter(FluxAdapter):
     """
 
     edits = True
+    max_images: int | None = 1  # source images per prompt (the config check reads it)
     #: FLUX's targets plus the single blocks' ``proj_mlp``, as flow_grpo's Kontext training
     #: (yifan123/flow_grpo@2e2f712 scripts/train_flux_kontext.py:411-425)
     lora_target_modules = (*FluxAdapter.lora_target_modules, "proj_mlp")
@@ -98,23 +99,31 @@ class FluxKontextAdapter(FluxAdapter):
 
     # -- the source image -------------------------------------------------------------------------
     def source_hw(self, image: Any) -> tuple[int, int]:
-        """(height, width) the pipeline resizes the PIL ``image`` to: the preferred Kontext
+        """(height, width) the pipeline resizes ``image`` (PIL, or [3, H, W]) to: the preferred Kontext
         resolution nearest its aspect ratio, floored to multiples of VAE factor x 2
         (``source_size`` given: that square)."""
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
         if self.source_size_px is not None:
             return self.source_size_px, self.source_size_px
+        if isinstance(image, torch.Tensor):  # [3, H, W]: the processor reads [B, C, H, W]
+            image = image[None]
         h, w = self.pipe.image_processor.get_default_height_width(image)
         m = self.pipe.vae_scale_factor * 2
         if h == 0 or w == 0:  # the pipeline would divide by zero
+            size = image.size if not isinstance(image, torch.Tensor) else image.shape[:-3:-1]
             raise ValueError(
-                f"a source image of {image.width} x {image.height} pixels is smaller than FLUX.1 "
+                f"a source image of {size[0]} x {size[1]} pixels is smaller than FLUX.1 "
                 f"Kontext's multiple of {m}: give larger images (or set model.source_size)"
             )
         aspect = w / h
         _, w, h = min((abs(aspect - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
         return h // m * m, w // m * m
+
+    def source_layout(self, row: list[torch.Tensor]) -> tuple[int, int]:
+        """The (height, width) the prompt's source ([3, H, W]) resizes to: rows of different
+        sizes are encoded and run as separate batches (``DiffusionAdapter``)."""
+        return self.source_hw(row[0])
 
     @torch.no_grad()
     def encode_sources(self, images: list[list[torch.Tensor]]) -> tuple[torch.Tensor, tuple]:
@@ -126,7 +135,7 @@ class FluxKontextAdapter(FluxAdapter):
                 "FluxKontextAdapter takes one source image per prompt, got "
                 f"{max(len(row) for row in images)}"
             )
-        pils = [to_pil(row[0]) for row in images]
+        pils = [row[0] for row in pil_rows(images)]
         sizes = {self.source_hw(im) for im in pils}
         if len(sizes) > 1:
             raise ValueError(

@@ -43,6 +43,16 @@ def to_pil(image: torch.Tensor) -> Any:
     return Image.fromarray(np.ascontiguousarray(arr.permute(1, 2, 0).cpu().numpy()))
 
 
+def pil_rows(images: list[list[torch.Tensor]]) -> list[list[Any]]:
+    """Each prompt's sources as PIL images (``to_pil``), a tensor shared by several prompts (a
+    group's samples share their decoded source) converted once: a 6000² source is 108 MB."""
+    done: dict[int, Any] = {}
+    for im in (im for r in images for im in r):
+        if id(im) not in done:
+            done[id(im)] = to_pil(im)
+    return [[done[id(im)] for im in r] for r in images]
+
+
 def vl_processor(image_processor: Any, tokenizer: Any) -> Any:
     """Qwen2-VL's processor (the class the edit pipelines declare) of ``image_processor`` and ``tokenizer`` without its video
     processor: transformers 5 makes that one with torchvision, which this project does not
@@ -141,6 +151,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         w, h = image.size
         return cls._dims_at(area, w / h)
 
+    def source_layout(self, row: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        """(width, height) each source of ``row`` ([3, H, W]) resizes to for the VAE: rows of
+        different layouts are encoded and run as separate batches (``DiffusionAdapter``)."""
+        return tuple(self._dims_at(self.vae_area, im.shape[-1] / im.shape[-2]) for im in row)
+
     def _check_rows(self, images: list[list[torch.Tensor]]) -> None:
         if self.max_images is not None and any(len(r) > self.max_images for r in images):
             raise ValueError(
@@ -182,7 +197,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def encode_sources(self, images: list[list[torch.Tensor]]) -> tuple[list, torch.Tensor, tuple]:
         """(VL views, packed source latents [B, S, 4C], img_shapes) of each prompt's sources."""
         self._check_rows(images)
-        rows = [[to_pil(im) for im in r] for r in images]
+        rows = pil_rows(images)
         views, vae_in, shapes = self._sources(rows)
         return views, self._image_latents(vae_in), shapes
 
@@ -307,4 +322,10 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         return both.embeds, both.mask
 
 
-__all__ = ["QwenImageEditAdapter", "QwenImageEditPlusAdapter", "to_pil", "vl_processor"]
+__all__ = [
+    "QwenImageEditAdapter",
+    "QwenImageEditPlusAdapter",
+    "pil_rows",
+    "to_pil",
+    "vl_processor",
+]
