@@ -186,6 +186,39 @@ def _jpeg(tiny: bool, device: str, tmp: Path) -> Any:
     return build_reward("jpeg_compressibility")
 
 
+def _geneval(tiny: bool, device: str, tmp: Path) -> Any:
+    """GenEval with its in-process detector: OWLv2 base/16 at 960² (transformers'
+    ``Owlv2Config`` defaults: google/owlv2-base-patch16-ensemble) and the CLIP ViT-L/14
+    colour rule, built from directories as users build it."""
+    from transformers import Owlv2Config
+
+    from flowgrpo.rewards import build_reward
+
+    owl = tmp / f"owlv2{'_tiny' if tiny else ''}"
+    if not owl.is_dir():
+        tok = clip_tokenizer(owl)
+        if tiny:
+            text = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                        num_attention_heads=2)  # fmt: skip
+            vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                          num_attention_heads=2, image_size=64, patch_size=16)  # fmt: skip
+        else:
+            text, vision = {}, {}
+        text.update(vocab_size=49408, bos_token_id=tok.eos_token_id - 1,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+        Owlv2Config(text_config=text, vision_config=vision,
+                    projection_dim=32 if tiny else 512).save_pretrained(owl)  # fmt: skip
+    clip = _clip_dir(tmp, "vit_l14", tiny)
+    with random_weights():
+        return build_reward("geneval", path=str(owl), clip_path=str(clip), device=device)
+
+
+def _geneval_metadata(n: int) -> list[dict]:
+    """A colour clause (so the CLIP colour rule runs on every detected object) per sample."""
+    clause = {"class": "cat", "count": 1, "color": "red"}
+    return [{"tag": "colors", "include": [clause], "prompt": "a photo of a red cat"}] * n
+
+
 def _one_source(n: int) -> list[dict]:
     """An editing group: every sample shares one 512 px source image."""
     src = _images(1)[0]
@@ -203,6 +236,12 @@ ROWS: list[RewardRow] = [
         "CLIP ViT-L/14 image tower, result + shared source",
         _from_dir("image_similarity", "vit_l14"),
         _one_source,
+    ),
+    RewardRow(
+        "geneval",
+        "OWLv2 base/16 at 960² (80 class queries) + CLIP ViT-L/14 colour per object",
+        _geneval,
+        _geneval_metadata,
     ),
     RewardRow("ocr", "rapidocr PP-OCRv4 (ONNX, real weights)", _ocr),
     RewardRow("jpeg_compressibility", "PIL JPEG encode", _jpeg),
@@ -222,7 +261,12 @@ def _images(n: int) -> torch.Tensor:
 
 
 def bench_rewards(
-    *, quick: bool = False, device: str = "cpu", batch: int = 2, repeats: int = 2
+    *,
+    quick: bool = False,
+    device: str = "cpu",
+    batch: int = 2,
+    repeats: int = 2,
+    only: tuple[str, ...] = (),
 ) -> dict[str, dict[str, object]]:
     """images/s per row of ``ROWS`` (median of ``repeats`` calls on ``batch`` images after a
     warm-up call); ``quick``: tiny architectures, one repeat (the smoke test)."""
@@ -233,6 +277,8 @@ def bench_rewards(
     results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in ROWS:
+            if only and row.name not in only:
+                continue
             t0 = time.perf_counter()
             reward = row.build(quick, device, Path(tmp))
             load_s = time.perf_counter() - t0
@@ -284,9 +330,23 @@ def format_rewards(results: dict[str, dict[str, object]]) -> str:
 
 
 if __name__ == "__main__":  # python -m bench.rewards [--quick]: print the table only
-    import sys
+    import argparse
 
+    parser = argparse.ArgumentParser(prog="python -m bench.rewards")
+    parser.add_argument("--quick", action="store_true", help="tiny architectures, one repeat")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated reward names")
+    parser.add_argument("--out", default="", help="also write the JSON here")
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    res = bench_rewards(quick="--quick" in sys.argv)
+    res = bench_rewards(
+        quick=args.quick,
+        device=args.device,
+        batch=args.batch,
+        only=tuple(n for n in args.only.split(",") if n),
+    )
     print(json.dumps(res, indent=2))
     print(format_rewards(res))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
