@@ -68,9 +68,9 @@ def command_line() -> str:
 def record_text(cfg: Any) -> str:
     """``config.yaml``'s text: a header with the command line, then the resolved config with
     its secrets redacted (loadable by ``read_record``)."""
-    from flowgrpo.config.loader import _Dumper, config_to_dict
+    from flowgrpo.config.loader import config_to_yaml
 
-    body = yaml.dump(redact(config_to_dict(cfg)), Dumper=_Dumper, sort_keys=False, width=100)
+    body = config_to_yaml(cfg, redacted=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     return (
         f"# the resolved config of this run ({stamp}; secrets redacted)\n"
