@@ -40,6 +40,7 @@ from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
 from flowgrpo.trainer.logging import RunLogger, startup_banner, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
+from flowgrpo.trainer.run_files import tidy_on_start
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
 # no advantage signal, so such a step logs them as absent
@@ -461,6 +462,9 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
         state["run_id"] = setup.new_run_id()
+    resumed_step = None if resume_from is None else state["step"]
+    notes = tidy_on_start(out, ckpt_root, resumed_step, state["run_id"]) if dist.is_main else []
+    barrier()  # later checkpoints moved aside, leftovers gone: before any rank writes
     global_batch = setup.global_batch_size(cfg)
     logger = RunLogger(
         out,
@@ -487,6 +491,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             planned=setup.planned_memory(cfg, dist) if dist.is_main else None,
         )
     )
+    for line in notes:
+        logger.write(line)
     if run.engine.optim_changes:
         logger.write(setup.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
