@@ -94,3 +94,19 @@ def test_pruning_spares_a_users_tmp_folder_and_deletes_by_rename(saved, tmp_path
     assert sorted(p.name for p in work.iterdir()) == ["step_3", "step_best.tmp"]
     assert (user / "model.safetensors").read_text() == "mine"
     assert latest_checkpoint(work) == work / "step_3"
+
+
+def test_a_save_moves_another_runs_checkpoint_aside(saved, tmp_path):
+    """Before: a save deleted whatever step_<N> was there, another run's included."""
+    root, cfg = saved
+    work = _copy(root, tmp_path / "o")
+    other = _copy(work / "step_2", work / "step_3")
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "run_id": "someone-else"}))
+    engine = tm.engine_for(tm.TinyAdapter(), cfg)
+    load_checkpoint(engine, work / "step_2")
+    with pytest.warns(UserWarning, match="written by another run: moved to step_3.other-"):
+        save_checkpoint(engine, work, 3, extra={"step": 3}, run_id="r1")
+    aside = next(work.glob("step_3.other-*"))
+    assert json.loads((aside / "meta.json").read_text())["run_id"] == "someone-else"
+    assert json.loads((work / "step_3" / "meta.json").read_text())["run_id"] == "r1"

@@ -61,11 +61,13 @@ def _delete(folder: Path) -> None:
     """Remove a checkpoint folder so that a kill midway leaves no ``step_<N>`` that looks
     like a checkpoint: renamed to ``step_<N>.tmp`` first (atomic), then deleted; a leftover
     ``.tmp`` is removed at the next save or start (``remove_leftovers``)."""
-    doomed = folder.with_name(f"{folder.name}.tmp") if STEP_DIR.match(folder.name) else folder
-    if doomed != folder:
+    doomed = folder.with_name(f"{folder.name}.tmp")
+    if doomed.exists() and written_by_save(doomed):
         shutil.rmtree(doomed, ignore_errors=True)
+    if not doomed.exists():  # else: someone's own step_<N>.tmp/ is there: delete in place
         folder.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+        folder = doomed
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_leftovers(root: str | Path, run_ids: set[str | None]) -> list[str]:
