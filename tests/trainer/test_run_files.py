@@ -67,10 +67,10 @@ def test_a_start_removes_leftovers_records_the_run_and_retires(tmp_path):
         f"removed what an interrupted checkpoint write or prune left in {ckpts}: step_2, step_3.tmp"
     )
     assert len(lines) == 2 and "moved its checkpoints step_5 and 0 metric rows" in lines[1]
-    assert recorded_run_ids(ckpts) == {"r1"}
+    assert recorded_run_ids(out) == {"r1"}
     names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("abandoned"))
-    assert names == [".run_ids", "step_1", "step_best.tmp"]
-    assert tidy_on_start(out, ckpts, 1, "r2") == [] and recorded_run_ids(ckpts) == {"r1", "r2"}
+    assert names == ["step_1", "step_best.tmp"]
+    assert tidy_on_start(out, ckpts, 1, "r2") == [] and recorded_run_ids(out) == {"r1", "r2"}
 
 
 def test_overwrite_takes_only_the_recorded_runs_checkpoints(tmp_path):

@@ -80,7 +80,6 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path, capsys):
     assert code == 0, errors
     assert {name: (out / name).read_text() for name in mine} == mine
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        ".run_ids",
         "my_model.safetensors",
         "step_1",
         "step_100",

@@ -1,7 +1,7 @@
 """Which files of a run folder are this run's, across its starts and resumes.
 
-- ``checkpoints/.run_ids``: the run ids that wrote checkpoints here, one a line (each start
-  adds its own). ``run.overwrite`` deletes only the checkpoints of these ids
+- ``.flowgrpo-run-ids`` (in the run folder): the run ids that wrote checkpoints here, one a
+  line (each start adds its own; a stale id is harmless). ``run.overwrite`` deletes only the checkpoints of these ids
   (``removable_checkpoint``): a ``step_<N>`` another run wrote (copied in by hand) stays.
 - A resume from step N while later checkpoints exist abandons their branch: those
   ``step_<M>`` (M > N) and the rows of ``metrics.jsonl`` / ``eval.jsonl`` after step N are
@@ -28,27 +28,26 @@ from flowgrpo.engine.checkpoint_dirs import (
     written_by_save,
 )
 
-RUN_IDS = ".run_ids"
+RUN_IDS = ".flowgrpo-run-ids"
 ABANDONED = re.compile(r"abandoned_after_step_\d+\.\d{8}-\d{6}(-\d+)?")
 #: the run folder's files with one row per step (moved with an abandoned branch)
 STEP_ROWS = ("metrics.jsonl", "eval.jsonl")
 
 
-def recorded_run_ids(ckpt_root: Path) -> set[str] | None:
-    """The run ids recorded in ``ckpt_root/.run_ids``; None when there is no record (a folder
+def recorded_run_ids(out: Path) -> set[str] | None:
+    """The run ids recorded in the run folder ``out``; None when there is no record (a folder
     written before records were kept)."""
     try:
-        return {x.strip() for x in (ckpt_root / RUN_IDS).read_text().splitlines() if x.strip()}
+        return {x.strip() for x in (out / RUN_IDS).read_text().splitlines() if x.strip()}
     except FileNotFoundError:
         return None
 
 
-def record_run_id(ckpt_root: Path, run_id: str | None) -> None:
-    """Add ``run_id`` to ``ckpt_root/.run_ids`` (rank 0, at the start of a run)."""
-    if not run_id or run_id in (recorded_run_ids(ckpt_root) or set()):
+def record_run_id(out: Path, run_id: str | None) -> None:
+    """Add ``run_id`` to the run folder's record (rank 0, at the start of a run)."""
+    if not run_id or run_id in (recorded_run_ids(out) or set()):
         return
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    with open(ckpt_root / RUN_IDS, "a") as f:
+    with open(out / RUN_IDS, "a") as f:
         f.write(f"{run_id}\n")
 
 
@@ -121,7 +120,7 @@ def tidy_on_start(
     run left, retire the branch a resume from an earlier step abandons, and record this
     run's id. Returns the lines to print."""
     lines = []
-    ids = (recorded_run_ids(ckpt_root) or set()) | {run_id}
+    ids = (recorded_run_ids(out) or set()) | {run_id}
     removed = remove_leftovers(ckpt_root, ids)
     if removed:
         lines.append(
@@ -132,7 +131,7 @@ def tidy_on_start(
         line = retire_later_branch(out, ckpt_root, resumed_step)
         if line:
             lines.append(line)
-    record_run_id(ckpt_root, run_id)
+    record_run_id(out, run_id)
     return lines
 
 

@@ -217,7 +217,7 @@ def grid_layout(n: int, samples_per_prompt: int, cap: int = 64) -> tuple[set[int
 #: inside the folders a run writes to, the names it writes (run.overwrite deletes these only)
 RUN_WRITES = {
     "checkpoints": re.compile(
-        r"step_\d+(\.tmp)?|\.run_ids|abandoned_after_step_\d+\.\d{8}-\d{6}(-\d+)?"
+        r"step_\d+(\.tmp)?|abandoned_after_step_\d+\.\d{8}-\d{6}(-\d+)?"
     ),
     "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
     "wandb": re.compile(r"(offline-)?run-.+|latest-run|debug(-internal)?\.log|wandb-resume\.json"),
@@ -257,7 +257,7 @@ def remove_run_outputs(out: Path) -> None:
     folders (checkpoints/, tensorboard/, wandb/), the names of ``RUN_WRITES`` only; a folder
     left empty goes too. Anything else (a user's checkpoints/my_model.safetensors or
     step_best.tmp/) stays, and so does a checkpoint another run wrote (not one of the run ids
-    recorded in checkpoints/.run_ids: ``run_files.removable_checkpoint``), said in one line."""
+    recorded in ``.flowgrpo-run-ids``: ``run_files.removable_checkpoint``), said in one line."""
     import warnings
 
     from flowgrpo.config.validate import RUN_OUTPUTS
@@ -268,7 +268,7 @@ def remove_run_outputs(out: Path) -> None:
         target = out / name
         pattern = RUN_WRITES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
-            ids = recorded_run_ids(target) if name == "checkpoints" else None
+            ids = recorded_run_ids(out) if name == "checkpoints" else None
             for entry in sorted(target.iterdir()):
                 if not pattern.fullmatch(entry.name):
                     continue
