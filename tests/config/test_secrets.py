@@ -2,9 +2,11 @@ from flowgrpo.config.secrets import REDACTED, is_secret_name, redact
 
 
 def test_secret_names_by_last_word():
-    for name in ("token", "api_key", "auth_token", "HF_TOKEN", "secret", "password", "apikey"):
+    for name in ("token", "api_key", "auth_token", "HF_TOKEN", "secret", "password", "apikey",
+                 "Authorization", "credentials", "basic_auth", "session_cookie"):  # fmt: skip
         assert is_secret_name(name), name
-    for name in ("tokens_per_step", "key_frames", "monkey", "keyword", "max_tokens", "url"):
+    for name in ("tokens_per_step", "key_frames", "monkey", "keyword", "max_tokens", "url",
+                 "author", "authors", "timeout"):  # fmt: skip
         assert not is_secret_name(name), name
 
 
@@ -46,7 +48,7 @@ SECRET = "s3cr3t-9f3a"
 STRUCTURED = [
     f"reward=[{{name: remote, options: {{url: 'http://h:1/', token: {SECRET}}}}}]",
     f"reward.remote.options={{url: 'http://h:1/', token: {SECRET}}}",
-    f'reward.remote.options={{"auth": {{"api_key": "{SECRET}"}}, "urls": [{{"password": "{SECRET}"}}]}}',
+    f'reward.remote.options={{"server": {{"api_key": "{SECRET}"}}, "urls": [{{"password": "{SECRET}"}}]}}',
     f"reward.remote.options.token={SECRET}",
     f"reward.remote.options.auth.password={SECRET}",
     f"reward.remote.options={{token: {SECRET}",  # does not parse: hidden whole
@@ -64,7 +66,7 @@ def test_redact_args_hides_secrets_inside_structured_values():
     first = yaml.safe_load(out[1].split("=", 1)[1])  # still the same structure, token hidden
     assert first == [{"name": "remote", "options": {"url": "http://h:1/", "token": REDACTED}}]
     third = yaml.safe_load(out[3].split("=", 1)[1])
-    assert third == {"auth": {"api_key": REDACTED}, "urls": [{"password": REDACTED}]}
+    assert third == {"server": {"api_key": REDACTED}, "urls": [{"password": REDACTED}]}
     assert out[6] == f"reward.remote.options={REDACTED}"
 
 

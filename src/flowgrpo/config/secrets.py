@@ -1,7 +1,8 @@
 """Secrets never leave the process: the one rule for what a logged or saved config hides.
 
-An option whose name's last word is ``token``, ``key``, ``secret``, ``password`` or
-``apikey`` (``token``, ``api_key``, ``auth_token``, ``hf_token`` ...) is a secret, at any
+An option whose name's last word is ``token``, ``key``, ``secret``, ``password``,
+``passphrase``, ``apikey``, ``auth``, ``authorization``, ``credentials`` or ``cookie``
+(``token``, ``api_key``, ``auth_token``, ``hf_token``, ``Authorization`` ...) is a secret, at any
 depth of the config (inside a reward's ``options``, inside a list). Every config written to
 the run folder, a checkpoint, tensorboard or wandb, or printed (``flowgrpo config show``),
 passes through :func:`redact` first, and every recorded command line through
@@ -21,7 +22,10 @@ from typing import Any
 import yaml
 
 REDACTED = "<redacted>"
-_SECRET_NAME = re.compile(r"(?:^|[_\-.])(token|key|secret|password|passwd|apikey)$", re.IGNORECASE)
+_SECRET_WORDS = (
+    "token|key|secret|password|passwd|passphrase|apikey|auth|authorization|credentials?|cookie"
+)
+_SECRET_NAME = re.compile(rf"(?:^|[_\-.])({_SECRET_WORDS})$", re.IGNORECASE)
 
 
 def is_secret_name(name: str) -> bool:
@@ -48,9 +52,7 @@ def _hides(value: Any) -> bool:
 
 
 #: ``NAME:`` or ``"NAME":`` where NAME's last word is a secret name (a YAML/JSON mapping key)
-_SECRET_KEY_TEXT = re.compile(
-    r"""["']?([\w.\-]*(?:token|key|secret|password|passwd|apikey))["']?\s*[:=]""", re.IGNORECASE
-)
+_SECRET_KEY_TEXT = re.compile(rf"""["']?([\w.\-]*(?:{_SECRET_WORDS}))["']?\s*[:=]""", re.IGNORECASE)
 
 
 def redact_value_text(raw: str) -> str:
