@@ -23,7 +23,9 @@ Loading never runs code from the checkpoint: the ``.pt`` files hold only tensors
 strings and containers and are read with ``torch.load(weights_only=True)``; DCP's non-tensor
 entries are read the same way (its default planner would unpickle them freely), and its
 pickled ``.metadata`` is unpickled with an allow-list of DCP's own classes. Anything else is
-refused with a ValueError naming the file.
+refused with a ValueError naming the file; an unreadable one (corrupt, truncated) is a
+``CheckpointDamagedError`` naming it and the previous complete checkpoint. Which folders are
+complete, good or a run's own, pruning and leftovers: ``checkpoint_dirs``.
 """
 
 from __future__ import annotations

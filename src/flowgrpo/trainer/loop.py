@@ -462,7 +462,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
         state["run_id"] = setup.new_run_id()
-    resumed_step = None if resume_from is None else state["step"]
+    # a resume (or resume=auto finding no checkpoint to take: from step 0) abandons what is later
+    resumed_step = state["step"] if resume_from is not None or tr.resume == "auto" else None
     notes = tidy_on_start(out, ckpt_root, resumed_step, state["run_id"]) if dist.is_main else []
     barrier()  # later checkpoints moved aside, leftovers gone: before any rank writes
     global_batch = setup.global_batch_size(cfg)

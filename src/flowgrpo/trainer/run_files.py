@@ -5,9 +5,11 @@
   (``removable_checkpoint``): a ``step_<N>`` another run wrote (copied in by hand) stays.
 - A resume from step N while later checkpoints exist abandons their branch: those
   ``step_<M>`` (M > N) and the rows of ``metrics.jsonl`` / ``eval.jsonl`` after step N are
-  moved (not deleted) to ``checkpoints/abandoned_after_step_<N>.<time>/``, and one line
-  says so; a later ``trainer.resume=auto`` then continues the new branch, and the metrics
-  hold it alone.
+  moved to ``checkpoints/abandoned_after_step_<N>.<time>/``, and one line says so; a later
+  ``trainer.resume=auto`` then continues the new branch, and the metrics hold it alone.
+  (``trainer.resume=auto`` that finds no checkpoint to take, every one diverged, starts
+  from step 0: N = 0.) flowgrpo never deletes an abandoned branch, ``run.overwrite``
+  included: it is yours to keep or remove.
 - What a killed save or prune left (``step_<N>.tmp``, a ``step_<N>`` without its COMPLETE
   marker) is removed at the next start, when it holds only what a checkpoint write produces
   (``flowgrpo.engine.checkpoint_dirs.remove_leftovers``).

@@ -216,7 +216,7 @@ def grid_layout(n: int, samples_per_prompt: int, cap: int = 64) -> tuple[set[int
 
 #: inside the folders a run writes to, the names it writes (run.overwrite deletes these only)
 RUN_WRITES = {
-    "checkpoints": re.compile(r"step_\d+(\.tmp)?|abandoned_after_step_\d+\.\d{8}-\d{6}(-\d+)?"),
+    "checkpoints": re.compile(r"step_\d+(\.tmp)?"),  # abandoned_after_step_*: never deleted
     "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
     "wandb": re.compile(r"(offline-)?run-.+|latest-run|debug(-internal)?\.log|wandb-resume\.json"),
 }
