@@ -2,9 +2,11 @@ from flowgrpo.config.secrets import REDACTED, is_secret_name, redact
 
 
 def test_secret_names_by_last_word():
-    for name in ("token", "api_key", "auth_token", "HF_TOKEN", "secret", "password", "apikey"):
+    for name in ("token", "api_key", "auth_token", "HF_TOKEN", "secret", "password", "apikey",
+                 "Authorization", "credentials", "basic_auth", "session_cookie"):  # fmt: skip
         assert is_secret_name(name), name
-    for name in ("tokens_per_step", "key_frames", "monkey", "keyword", "max_tokens", "url"):
+    for name in ("tokens_per_step", "key_frames", "monkey", "keyword", "max_tokens", "url",
+                 "author", "authors", "timeout"):  # fmt: skip
         assert not is_secret_name(name), name
 
 
@@ -38,3 +40,56 @@ def test_redact_args_hides_secret_values_on_a_command_line():
         "--token=",
         "monkey=1",
     ]
+
+
+# -- a secret inside a structured override (issue 40, item 1) ----------------------------------
+
+SECRET = "s3cr3t-9f3a"
+STRUCTURED = [
+    f"reward=[{{name: remote, options: {{url: 'http://h:1/', token: {SECRET}}}}}]",
+    f"reward.remote.options={{url: 'http://h:1/', token: {SECRET}}}",
+    f'reward.remote.options={{"server": {{"api_key": "{SECRET}"}}, "urls": [{{"password": "{SECRET}"}}]}}',
+    f"reward.remote.options.token={SECRET}",
+    f"reward.remote.options.auth.password={SECRET}",
+    f"reward.remote.options={{token: {SECRET}",  # does not parse: hidden whole
+]
+
+
+def test_redact_args_hides_secrets_inside_structured_values():
+    import yaml
+
+    from flowgrpo.config.secrets import redact_args
+
+    out = redact_args(["train", *STRUCTURED, "reward.remote.options={url: 'http://h:1/'}"])
+    assert SECRET not in " ".join(out), out
+    assert out[-1] == "reward.remote.options={url: 'http://h:1/'}"  # no secret: as typed
+    first = yaml.safe_load(out[1].split("=", 1)[1])  # still the same structure, token hidden
+    assert first == [{"name": "remote", "options": {"url": "http://h:1/", "token": REDACTED}}]
+    third = yaml.safe_load(out[3].split("=", 1)[1])
+    assert third == {"server": {"api_key": REDACTED}, "urls": [{"password": REDACTED}]}
+    assert out[6] == f"reward.remote.options={REDACTED}"
+
+
+def test_recorded_command_line_and_config_hide_a_structured_token(monkeypatch):
+    from flowgrpo import cli
+    from flowgrpo.config import load_config
+    from flowgrpo.config.record import record_text
+
+    args = ["train", STRUCTURED[0], "trainer.max_steps=1"]
+    monkeypatch.setattr(cli, "current_argv", args)
+    text = record_text(load_config(None, args[1:], check_paths=False))
+    assert SECRET not in text
+    assert "# command: flowgrpo train 'reward=[{name: remote, options: {url:" in text
+    assert f"token: {REDACTED}" in text
+
+
+def test_config_show_and_type_errors_print_no_secret(capsys):
+    from flowgrpo import cli
+
+    for overrides in ([STRUCTURED[0]], ["reward=remote", STRUCTURED[1]]):
+        assert cli.main(["config", "show", *overrides]) == 0
+        shown = capsys.readouterr().out
+        assert SECRET not in shown and f"token: {REDACTED}" in shown
+    assert cli.main(["config", "show", f"reward.digits.options={{token: {SECRET}, x: [1}}"]) != 0
+    err = capsys.readouterr().err
+    assert SECRET not in err and "reward.digits.options" in err

@@ -6,6 +6,8 @@ when two processes write it, and the text encoders can leave the device once pro
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,103 @@ def test_text_encoders_leave_after_prepare(tmp_path, mode):
         assert next(adapter.pipe.text_encoder.parameters()).device.type == "cpu"
         new, _ = adapter.encode(["a prompt never seen"])  # encoded on the device, then back
         assert _same(new, adapter.encode_prompts(["a prompt never seen"]))
+
+
+# -- damaged entries, leftovers and folder errors (issue 40, item 7) ---------------------------
+
+
+def _copy(e):
+    """An entry's tensors copied out of the file's memory (a read maps the file)."""
+    return type(e)(*(None if t is None else t.clone() for t in (e.embeds, e.mask, e.pooled)))
+
+
+def test_a_truncated_or_swapped_entry_is_encoded_again_before_the_encoders_go(tmp_path):
+    """Before: both passed the start's check (the file existed), then the run stopped with
+    "not in the embedding cache" once the text encoders were freed."""
+    adapter = build_adapter(tiny_pipeline("wan"), max_sequence_length=16)
+    cache = PromptEmbedCache(tmp_path, adapter)
+    assert cache.prepare(PROMPTS) == 3
+    want = {p: _copy(cache.get(p)) for p in PROMPTS}
+    whole = cache.path(PROMPTS[0]).read_bytes()
+    cache.path(PROMPTS[0]).write_bytes(whole[:-7])  # truncated
+    cache.path(PROMPTS[1]).write_bytes(cache.path(PROMPTS[2]).read_bytes())  # swapped
+    assert cache.missing(PROMPTS) == PROMPTS[:2]
+    assert cache.prepare(PROMPTS) == 2  # the start re-encodes them
+    adapter.prompt_cache = cache
+    cache.release_text_encoders("free")
+    cache.encode(PROMPTS)  # every entry read back: no "not in the embedding cache"
+    assert all(_same(cache.get(p), want[p]) for p in PROMPTS)  # re-encoded: bit-identical
+    # damaged after the start, with the encoders freed: a line naming the entry
+    cache.path(PROMPTS[2]).write_bytes(b"\x00" * 16)
+    with pytest.raises(RuntimeError, match="embedding-cache entry .* is damaged"):
+        cache.encode([PROMPTS[2]])
+
+
+def _killed_writer(root: str) -> None:
+    """Dies (SIGKILL) in the middle of writing an entry."""
+    import os
+    import signal
+
+    import safetensors.torch
+
+    from flowgrpo.models.base import PromptEmbeds
+
+    def die(*args, **kwargs):
+        with open(args[1], "wb") as f:
+            f.write(b"half an entry")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    safetensors.torch.save_file = die
+
+    class Fake:
+        device = torch.device("cpu")
+        pipe = None
+
+    PromptEmbedCache(root, Fake(), key="k").put("p", PromptEmbeds(torch.ones(1, 2, 3), None, None))
+
+
+def test_a_killed_writers_temporary_file_goes_at_the_next_start(tmp_path):
+    """Before: the .tmp of a writer killed mid-write stayed forever."""
+    p = mp.get_context("spawn").Process(target=_killed_writer, args=(str(tmp_path),))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -9
+    left = list(tmp_path.rglob("*.tmp"))
+    assert len(left) == 1
+    mine = left[0].parent / ".0123456789abcdef0123456789abcdef01234567.safetensors.x.tmp"
+    mine.write_text("a user's file: not of this cache's naming")
+
+    class Fake:
+        device = torch.device("cpu")
+        pipe = None
+
+    entry = left[0].name.split(".")[1]  # .<entry>.safetensors.<host>.<pid>.<uuid>.tmp
+    live = left[0].parent / f".{entry}.safetensors.{_host()}.{os.getpid()}.{'0' * 32}.tmp"
+    live.write_text("a live writer's")  # this process is alive: its file stays
+    PromptEmbedCache(tmp_path, Fake(), key="k")
+    assert sorted(tmp_path.rglob("*.tmp")) == sorted([mine, live])
+
+
+def _host():
+    """The host tag of a temporary file's name (blake2b-4 of the host name)."""
+    import hashlib
+    import socket
+
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def test_cache_folder_errors_are_one_line_naming_the_folder(tmp_path):
+    from flowgrpo.errors import RunError
+
+    class Fake:
+        device = torch.device("cpu")
+        pipe = None
+
+    a_file = tmp_path / "cache"
+    a_file.write_text("not a folder")
+    for root, why in ((a_file, "it is a file"), (Path("/proc/flowgrpo-cache"), "")):
+        with pytest.raises(RunError) as err:
+            PromptEmbedCache(root, Fake(), key="k")
+        msg = str(err.value)
+        assert "\n" not in msg and f"model.embed_cache_dir {root}: cannot create" in msg
+        assert why in msg

@@ -68,13 +68,25 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path, capsys):
     }
     for name, text in mine.items():
         (out / name).write_text(text)
+    # a user's folder named like a stale write (before: the first save's pruning of
+    # step_*.tmp deleted it), and a checkpoint another run wrote (before: overwrite deleted it)
+    (out / "checkpoints" / "step_best.tmp").mkdir()
+    (out / "checkpoints" / "step_best.tmp" / "model.safetensors").write_text("best")
+    other = out / "checkpoints" / "step_100"
+    shutil.copytree(out / "checkpoints" / "step_1", other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "run_id": "another-run"}))
     code, _, errors = train(capsys, out, "trainer.max_steps=1", "run.overwrite=true", "seed=1")
     assert code == 0, errors
     assert {name: (out / name).read_text() for name in mine} == mine
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "my_model.safetensors",
         "step_1",
+        "step_100",
+        "step_best.tmp",
     ]
+    assert (out / "checkpoints" / "step_best.tmp" / "model.safetensors").read_text() == "best"
+    assert json.loads((other / "meta.json").read_text())["run_id"] == "another-run"
     assert (out / "checkpoints" / "step_1" / "meta.json").read_text() != first  # the new run's
     assert sorted(p.name for p in (out / "tensorboard").iterdir()) == ["notes.txt"]
     assert sorted(p.name for p in (out / "wandb").iterdir()) == ["settings"]
@@ -113,6 +125,39 @@ def live_run(out: Path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_resume_from_an_earlier_step_retires_the_abandoned_branch(tmp_path, capsys):
+    """Before: resuming step_2 while step_3 and step_4 existed, then trainer.resume=auto,
+    resumed the abandoned branch's step_4 and metrics.jsonl held steps [1, 2, 3, 5]."""
+    out = tmp_path / "branch"
+    ckpts = out / "checkpoints"
+    code, _, errors = train(
+        capsys, out, "trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_last=10"
+    )
+    assert code == 0, errors
+    old = {d: (ckpts / d / "meta.json").read_text() for d in ("step_3", "step_4")}
+    code, lines, errors = train(
+        capsys, out, f"trainer.resume={ckpts / 'step_2'}", "trainer.max_steps=3",
+        "trainer.save_every=1", "trainer.keep_last=10",
+    )  # fmt: skip
+    assert code == 0, errors
+    said = [x for x in lines if "abandons the later branch" in x]
+    assert len(said) == 1 and "step_3, step_4" in said[0] and "3 metric rows" in said[0], lines
+    aside = [d for d in ckpts.iterdir() if d.name.startswith("abandoned_after_step_2.")]
+    assert len(aside) == 1 and said[0].endswith(str(aside[0]))
+    assert {d: (aside[0] / d / "meta.json").read_text() for d in old} == old  # moved, whole
+    assert [r["step"] for r in read_jsonl(aside[0] / "metrics.jsonl")] == [3, 4]
+    assert [r["step"] for r in read_jsonl(aside[0] / "eval.jsonl")] == [4]  # the last eval
+    code, lines, errors = train(
+        capsys, out, "trainer.resume=auto", "trainer.max_steps=5", "trainer.save_every=1",
+        "trainer.keep_last=10",
+    )  # fmt: skip
+    assert code == 0, errors
+    assert any(f"resumed    from {ckpts / 'step_3'} (step 3)" in x for x in lines), lines
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    steps = sorted(d.name for d in ckpts.iterdir() if d.name.startswith("step_"))
+    assert steps == ["step_1", "step_2", "step_3", "step_4", "step_5"]
 
 
 def test_a_live_run_locks_its_folder_and_a_killed_run_does_not(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """A reward's token never reaches the run folder: not the wandb files (``run-*.wandb``,
-``debug.log``, metadata), tensorboard or the checkpoints, even when given on the command line."""
+``debug.log``, metadata), tensorboard or the checkpoints, even when given on the command line,
+inside a structured override as much as under its own key."""
 
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ def test_the_reward_token_is_in_no_file_of_the_run_folder(tmp_path, monkeypatch,
         "run.progress_bar=false",
         "run.wandb=true",
         "run.wandb_mode=offline",
-        "reward=remote",
-        f"reward.remote.options.url={server.url}",
+        # the token in each form an override can take: a whole reward list, an options
+        # mapping, a dotted key (each must be redacted by the parsed value's path)
+        f"reward=[{{name: remote, options: {{url: '{server.url}', token: {TOKEN}}}}}]",
+        f"reward.remote.options={{url: '{server.url}', token: {TOKEN}, timeout: 30}}",
         f"reward.remote.options.token={TOKEN}",
-        "reward.remote.options.timeout=30",
         f"run.output_dir={out}",
     ]
     monkeypatch.setattr(sys, "argv", ["flowgrpo", *argv])  # as the command line gives it

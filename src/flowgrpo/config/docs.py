@@ -81,11 +81,12 @@ def write_docs(path: Path = DOC) -> None:
 
 def commented_yaml(cfg: Config, origins: dict[str, str] | None = None) -> str:
     """``config_to_yaml(cfg)`` with each key's help as a comment above it and, with
-    ``origins`` (``value_origins``), where its value came from at the end of its line."""
+    ``origins`` (``value_origins``), where its value came from at the end of its line.
+    Secrets are redacted: this text is printed (``config show``, ``train --help``)."""
     helps = key_help()
     origins = origins or {}
     out, path = [], []  # path: (indent, key) of the enclosing sections
-    for line in config_to_yaml(cfg).splitlines():
+    for line in config_to_yaml(cfg, redacted=True).splitlines():
         body = line.lstrip(" ")
         indent = len(line) - len(body)
         if body.startswith("- ") or ":" not in body:

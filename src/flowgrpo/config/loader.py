@@ -117,6 +117,12 @@ def unknown_key(key: str, origin: str = "", candidates: Iterable[str] | None = N
 
 
 def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
+    from flowgrpo.config.secrets import REDACTED, is_secret_name, redact, redact_value_text
+
+    if any(is_secret_name(word) for word in key.split(".")):
+        value = REDACTED  # the error line is printed: a secret's value is not
+    else:
+        value = redact_value_text(value) if isinstance(value, str) else redact(value)
     return ConfigError(f"config key {key!r} expects {_type_name(tp)}, got {short_repr(value)}")
 
 
@@ -614,9 +620,15 @@ _Dumper.add_representer(list, _represent_list)
 _Dumper.add_representer(dict, _represent_dict)
 
 
-def config_to_yaml(cfg: Config) -> str:
-    """The effective config as YAML (round-trips through ``config_from_dict``)."""
-    return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, width=100)
+def config_to_yaml(cfg: Config, *, redacted: bool = False) -> str:
+    """The effective config as YAML (round-trips through ``config_from_dict``); with
+    ``redacted``, every secret (``flowgrpo.config.secrets.redact``) replaced, for printing."""
+    data = config_to_dict(cfg)
+    if redacted:
+        from flowgrpo.config.secrets import redact
+
+        data = redact(data)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
 
 
 def config_from_dict(data: Mapping[str, Any], *, check: bool = False) -> Config:

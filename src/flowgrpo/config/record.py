@@ -73,9 +73,9 @@ def record_text(cfg: Any) -> str:
     """``config.yaml``'s text: a header with the command line, then the resolved config with
     its secrets redacted (loadable by ``read_record``)."""
     from flowgrpo.config.checks import base_fingerprint
-    from flowgrpo.config.loader import _Dumper, config_to_dict
+    from flowgrpo.config.loader import config_to_yaml
 
-    body = yaml.dump(redact(config_to_dict(cfg)), Dumper=_Dumper, sort_keys=False, width=100)
+    body = config_to_yaml(cfg, redacted=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     base = base_fingerprint(cfg.model.path) if cfg.model.path else None
     base_line = f"{BASE_LINE}{base} (the trained transformer's config and weight files)\n"

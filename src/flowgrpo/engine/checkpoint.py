@@ -23,7 +23,9 @@ Loading never runs code from the checkpoint: the ``.pt`` files hold only tensors
 strings and containers and are read with ``torch.load(weights_only=True)``; DCP's non-tensor
 entries are read the same way (its default planner would unpickle them freely), and its
 pickled ``.metadata`` is unpickled with an allow-list of DCP's own classes. Anything else is
-refused with a ValueError naming the file.
+refused with a ValueError naming the file; an unreadable one (corrupt, truncated) is a
+``CheckpointDamagedError`` naming it and the previous complete checkpoint. Which folders are
+complete, good or a run's own, pruning and leftovers: ``checkpoint_dirs``.
 """
 
 from __future__ import annotations
@@ -47,13 +49,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from flowgrpo.engine import dist as fdist
+from flowgrpo.engine.checkpoint_dirs import (
+    DIVERGED,
+    MARKER,
+    ROLLOUT_OK,
+    _prune,
+    _set_aside_foreign,
+    is_good,
+    last_good_checkpoint,
+    latest_checkpoint,
+    mark_checkpoint,
+    remove_leftovers,
+    resume_advice,
+    run_id_of,
+    written_by_save,
+)
 from flowgrpo.errors import RunError, TrainingDiverged
-
-MARKER = "COMPLETE"
-ROLLOUT_OK = "ROLLOUT_OK"  # a rollout from these weights was finite: a good checkpoint
-DIVERGED = "DIVERGED"  # a rollout from these weights was not: never resumed from again
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
 
 HOST = "engine"  # the engine state's section of plain host data (engine_state.pt)
 SHADOW = "shadow."  # the sections of the algorithms' parameter copies
@@ -139,6 +150,76 @@ def _load_plain(file: Path | io.BytesIO, what: str, *, numpy_arrays: bool = Fals
         raise _refuse(what, f"{why}, not only tensors, numbers and strings") from None
 
 
+class CheckpointDamagedError(RunError):
+    """A checkpoint file is unreadable (truncated, corrupt, missing): one line naming it and
+    the previous complete checkpoint to resume from instead."""
+
+
+def _damaged(path: Path, file: Path, why: str) -> CheckpointDamagedError:
+    """The error for ``file`` of checkpoint ``path``, offering the newest complete earlier
+    checkpoint beside it (not DIVERGED)."""
+    from flowgrpo.engine.checkpoint_dirs import DIVERGED, STEP_DIR, _complete_steps
+
+    m = STEP_DIR.match(path.name)
+    step = int(m.group(1)) if m else None
+    earlier = [
+        d
+        for n, d in _complete_steps(path.parent)
+        if step is not None and n < step and not (d / DIVERGED).exists()
+    ]
+    offer = (
+        f"resume from the previous checkpoint with trainer.resume={earlier[-1]}"
+        if earlier
+        else f"no earlier complete checkpoint is in {path.parent}"
+    )
+    return CheckpointDamagedError(f"checkpoint {path} is damaged: {file} {why}; {offer}")
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    """``path/name`` as a JSON object, or ``CheckpointDamagedError`` naming it."""
+    file = path / name
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise _damaged(path, file, "is missing") from None
+    except (OSError, ValueError) as e:
+        raise _damaged(path, file, f"cannot be read ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise _damaged(path, file, "does not hold a JSON object")
+    return data
+
+
+def _check_shards(path: Path, metadata: Any) -> None:
+    """Every DCP data file the metadata names exists and is as long as its entries need: a
+    truncated or missing shard is named here (DCP would say EOFError or a zip error)."""
+    need: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        need[rel] = max(need.get(rel, 0), end)
+    for rel, size in sorted(need.items()):
+        file = path / rel
+        if not file.is_file():
+            raise _damaged(path, file, "is missing")
+        have = file.stat().st_size
+        if have < size:
+            raise _damaged(path, file, f"is truncated ({have} of {size} bytes)")
+
+
+def _load_file(path: Path, file: Path, *, numpy_arrays: bool = False) -> Any:
+    """``_load_plain`` of a file of checkpoint ``path``; an unreadable (truncated) file is a
+    ``CheckpointDamagedError`` naming it."""
+    try:
+        return _load_plain(file, str(file), numpy_arrays=numpy_arrays)
+    except UnsafeCheckpointError:
+        raise
+    except FileNotFoundError:
+        raise _damaged(path, file, "is missing") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        first = " ".join(str(e).split(".")[0].split()) or type(e).__name__
+        raise _damaged(path, file, f"cannot be read ({first})") from None
+
+
 class _WeightsOnlyPlanner(DefaultLoadPlanner):
     """DCP's default planner, except that non-tensor entries (optimizer hyper-parameters) are
     read with weights_only=True (DCP itself unpickles them with weights_only=False)."""
@@ -196,7 +277,13 @@ def _check_dcp_metadata(path: Path) -> Any:
         with open(file, "rb") as f:
             return _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {path} has no DCP {file.name} file") from None
+        raise _damaged(path, file, "is missing (the DCP metadata)") from None
+    except EOFError:
+        raise _damaged(path, file, "is truncated") from None
+    except pickle.UnpicklingError as e:
+        if "truncated" in str(e) or "ran out of input" in str(e).lower():
+            raise _damaged(path, file, "is truncated") from None
+        raise _refuse(str(file), f"{e}, not only DCP's own metadata") from None
     except Exception as e:
         why = str(e) if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {e}"
         raise _refuse(str(file), f"{why}, not only DCP's own metadata") from None
@@ -346,6 +433,7 @@ def save_checkpoint(
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
+            _set_aside_foreign(final, run_id)
         fdist.barrier()
         sharded, host = _split_state(engine)
         dcp.save(sharded, checkpoint_id=str(tmp))
@@ -421,80 +509,6 @@ def _first_failure(e: BaseException) -> str:
     return " ".join(lines[0].split()) if lines else type(e).__name__
 
 
-def _complete_steps(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    out = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and (d / MARKER).is_file():
-            out.append((int(m.group(1)), d))
-    return sorted(out)
-
-
-def run_id_of(checkpoint: Path) -> str | None:
-    """The ``run_id`` a checkpoint was written with (None: unknown or unreadable)."""
-    try:
-        return json.loads((Path(checkpoint) / "meta.json").read_text()).get("run_id")
-    except (OSError, ValueError):
-        return None
-
-
-def _prune(root: Path, keep_last: int | None, run_id: str | None) -> None:
-    """Remove stale ``.tmp`` dirs and all but the newest ``keep_last`` complete checkpoints
-    written by run ``run_id``, and the newest good one (``is_good``); other runs'
-    checkpoints are left alone."""
-    for d in root.glob("step_*.tmp"):
-        shutil.rmtree(d, ignore_errors=True)
-    if keep_last:
-        mine = [d for _, d in _complete_steps(root) if run_id_of(d) == run_id]
-        keep = set(mine[-keep_last:]) | set([d for d in mine if is_good(d)][-1:])
-        for d in mine:
-            if d not in keep:
-                shutil.rmtree(d, ignore_errors=True)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """Newest ``<root>/step_<N>`` that has the COMPLETE marker (``.tmp`` dirs never count)
-    and is not marked DIVERGED (``mark_checkpoint``)."""
-    steps = [d for _, d in _complete_steps(Path(root)) if not (d / DIVERGED).exists()]
-    return steps[-1] if steps else None
-
-
-def is_good(checkpoint: Path) -> bool:
-    """A rollout from the checkpoint's weights was finite, and none was not."""
-    return (checkpoint / ROLLOUT_OK).is_file() and not (checkpoint / DIVERGED).exists()
-
-
-def mark_checkpoint(checkpoint: Path, marker: str) -> None:
-    """Record (rank 0) that a rollout from ``checkpoint``'s weights was finite (``ROLLOUT_OK``)
-    or not (``DIVERGED``: ``latest_checkpoint`` skips it from then on)."""
-    if not (checkpoint / marker).exists():
-        try:
-            (checkpoint / marker).write_text("yes\n")
-        except FileNotFoundError:  # the checkpoint or its folder went meanwhile
-            pass
-
-
-def last_good_checkpoint(root: str | Path) -> Path | None:
-    """Newest complete checkpoint under ``root`` that ``is_good``."""
-    good = [d for _, d in _complete_steps(Path(root)) if is_good(d)]
-    return good[-1] if good else None
-
-
-def resume_advice(root: str | Path) -> str:
-    """What to do after a divergence: resume from the last good checkpoint under ``root``
-    (named), or start again when there is none. One clause, for the error line."""
-    good = last_good_checkpoint(root)
-    if good is None:
-        return (
-            "no checkpoint of this run has given a finite rollout: start again with a lower "
-            "optim.lr (run.overwrite=true)"
-        )
-    how = "auto" if latest_checkpoint(root) == good else str(good)
-    return f"the last good checkpoint is {good}: resume from it (trainer.resume={how}) with a lower optim.lr"
-
-
 def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
     """Restore ``engine`` from a checkpoint directory, or from the newest complete one under a
     root (collective). Works across world sizes. Returns (step, extra).
@@ -511,18 +525,20 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
         if found is None:
             raise FileNotFoundError(f"no complete checkpoint at or under {path}")
         path = found
-    meta = json.loads((path / "meta.json").read_text())
-    if meta["lora"] != engine.use_lora:
+    meta = _read_json(path, "meta.json")
+    extra = _read_json(path, "trainer_state.json")  # read before the engine changes
+    if meta.get("lora") != engine.use_lora:
         kinds = {True: "a LoRA", False: "a full fine-tune"}
         raise CheckpointMismatchError(
             f"checkpoint {path} does not match the model: it is {kinds[bool(meta['lora'])]}, "
             f"the config is {kinds[bool(engine.use_lora)]} (lora.enabled={engine.use_lora})"
         )
     # Everything that is unpickled is checked before the engine is touched.
-    es = _load_plain(path / "engine_state.pt", str(path / "engine_state.pt"))
+    es = _load_file(path, path / "engine_state.pt")
     rng_file = path / "rng" / f"rank_{engine.dist.rank}.pt"
-    rng = _load_plain(rng_file, str(rng_file), numpy_arrays=True) if rng_file.is_file() else None
+    rng = _load_file(path, rng_file, numpy_arrays=True) if rng_file.is_file() else None
     metadata = _check_dcp_metadata(path)
+    _check_shards(path, metadata)
     state, _ = _split_state(engine)
     if meta["ema"] and "ema" not in state:
         warnings.warn(f"{path} holds EMA weights but EMA is off: ignoring them", stacklevel=2)
@@ -559,7 +575,6 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
             stacklevel=2,
         )
         fdist.seed_everything(engine.config.seed + 1000 * es["step"], engine.dist.rank)
-    extra = json.loads((path / "trainer_state.json").read_text())
     fdist.barrier()
     return int(meta["step"]), extra
 
@@ -567,6 +582,7 @@ def load_checkpoint(engine, path: str | Path) -> tuple[int, dict]:
 __all__ = [
     "DIVERGED",
     "MARKER",
+    "CheckpointDamagedError",
     "CheckpointMismatchError",
     "ROLLOUT_OK",
     "UnsafeCheckpointError",
@@ -575,6 +591,9 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "mark_checkpoint",
+    "remove_leftovers",
     "resume_advice",
+    "run_id_of",
     "save_checkpoint",
+    "written_by_save",
 ]

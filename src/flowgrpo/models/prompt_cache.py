@@ -18,6 +18,12 @@ bf16 Qwen2.5-VL-7B on every GPU, for Wan the 11 GB UMT5-XXL.
 - Shared safely: each entry is written to a temporary file in the same folder, then renamed
   into place (``os.replace``, atomic): two runs (or ranks) writing the same entry leave one
   complete file and a reader never sees a partial one; an unreadable entry is re-encoded.
+  Checked at the start (``missing``: the file's header and length, its prompt and key), so a
+  truncated or swapped entry is encoded again before the text encoders leave. The temporary
+  file of a writer that was killed (its name carries the host and the process id) is removed
+  by the next cache opened on the same host, once that process is gone (or after a day).
+- A folder that cannot be used (a file, a path that cannot be created, not writable) is one
+  line naming it (``RunError``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +41,7 @@ from typing import Any
 
 import torch
 
+from flowgrpo.errors import RunError
 from flowgrpo.models.base import PromptEmbeds
 
 #: what happens to the text encoders once every needed prompt is cached
@@ -91,6 +101,33 @@ def fingerprint(adapter: Any) -> str:
     return h.hexdigest()
 
 
+#: a writer's temporary file: ``.<entry>.<host tag>.<pid>.<uuid>.tmp`` (older versions: no host)
+_TMP = re.compile(r"\.[0-9a-f]{40}\.safetensors\.(?:([0-9a-f]{8})\.)?(\d+)\.[0-9a-f]{32}\.tmp")
+_STALE_TMP_S = 86400.0  # a temporary file older than this is a dead writer's, whatever its host
+
+
+def _host_tag() -> str:
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _folder_error(root: Path, e: OSError, doing: str) -> RunError:
+    why = "it is a file, not a folder" if isinstance(e, FileExistsError) else e.strerror or e
+    return RunError(
+        f"model.embed_cache_dir {root}: cannot {doing} ({why}); choose a writable folder "
+        "(model.embed_cache_dir=...) or unset it"
+    )
+
+
 class PromptEmbedCache:
     """Prompt embeddings of one adapter, one file per prompt under ``root``.
 
@@ -101,7 +138,11 @@ class PromptEmbedCache:
 
     def __init__(self, root: str | Path, adapter: Any, *, key: str | None = None):
         self.root = Path(root).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)  # FileExistsError: a file is there
+        except OSError as e:
+            raise _folder_error(self.root, e, "create the folder") from None
+        self.remove_stale_temporaries()
         self.adapter = adapter
         self.key = key if key is not None else fingerprint(adapter)
         self.released: str = "keep"  # where the text encoders are: keep (on device), cpu, free
@@ -111,6 +152,46 @@ class PromptEmbedCache:
     def path(self, prompt: str) -> Path:
         digest = hashlib.blake2b(f"{self.key}\0{prompt}".encode(), digest_size=20).hexdigest()
         return self.root / digest[:2] / f"{digest}.safetensors"
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Remove the temporary files of writers that were killed mid-write: those this
+        host's processes wrote whose process is gone, and any older than a day (the only test
+        for another host's, or an older version's without a host tag). Returns them."""
+        removed, here, now = [], _host_tag(), time.time()
+        for sub in self.root.glob("??"):
+            if not sub.is_dir():
+                continue
+            for f in sub.iterdir():
+                m = _TMP.fullmatch(f.name)
+                if m is None:
+                    continue
+                try:
+                    old = now - f.stat().st_mtime > _STALE_TMP_S
+                    if old or (m.group(1) == here and not _alive(int(m.group(2)))):
+                        f.unlink()
+                        removed.append(f)
+                except OSError:  # gone meanwhile (its writer renamed it), or not ours to remove
+                    continue
+        return removed
+
+    def entry_ok(self, prompt: str) -> bool:
+        """Whether ``prompt``'s entry is there, whole (its safetensors header and length agree)
+        and this prompt's and key's; reads the header only."""
+        path = self.path(prompt)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= size - 8:
+                    return False
+                header = json.loads(f.read(n))
+            meta = header.pop("__metadata__", None) or {}
+            if meta.get("prompt") != prompt or meta.get("key") != self.key:
+                return False
+            end = max(int(v["data_offsets"][1]) for v in header.values())
+            return "embeds" in header and 8 + n + end == size
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return False
 
     def get(self, prompt: str) -> PromptEmbeds | None:
         """The cached embeddings of ``prompt`` (on CPU), or None (absent or unreadable)."""
@@ -135,17 +216,22 @@ class PromptEmbedCache:
         from safetensors.torch import save_file
 
         path = self.path(prompt)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _folder_error(self.root, e, f"create {path.parent.name}/") from None
         tensors = {"embeds": embeds.embeds}
         if embeds.mask is not None:
             tensors["mask"] = embeds.mask
         if embeds.pooled is not None:
             tensors["pooled"] = embeds.pooled
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        tmp = path.parent / f".{path.name}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
             save_file(tensors, str(tmp), metadata={"prompt": prompt, "key": self.key})
             os.replace(tmp, path)
+        except OSError as e:
+            raise _folder_error(self.root, e, f"write {path.name}") from None
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -170,6 +256,14 @@ class PromptEmbedCache:
 
     def _encode_missing(self, prompt: str) -> PromptEmbeds:
         if self.released == "free":
+            path = self.path(prompt)
+            if path.exists():  # damaged after the start's check (which re-encodes such entries)
+                raise RuntimeError(
+                    f"the embedding-cache entry {path} of prompt {prompt[:60]!r} is damaged "
+                    "(truncated, or another prompt's) and the text encoders were freed "
+                    "(model.text_encoder_offload=free): delete it and resume; the start "
+                    "encodes it again"
+                )
             raise RuntimeError(
                 f"prompt {prompt[:60]!r} is not in the embedding cache and the text encoders were "
                 "freed (model.text_encoder_offload=free): every prompt must be cached first"
@@ -183,8 +277,9 @@ class PromptEmbedCache:
         return self.adapter.encode_prompts([prompt])
 
     def missing(self, prompts: Iterable[str]) -> list[str]:
-        """The distinct prompts with no readable entry."""
-        return [p for p in dict.fromkeys(prompts) if not self.path(p).is_file()]
+        """The distinct prompts with no sound entry (absent, truncated, or another prompt's
+        or key's: ``entry_ok``), to be encoded (again) by ``prepare``."""
+        return [p for p in dict.fromkeys(prompts) if not self.entry_ok(p)]
 
     def prepare(self, prompts: Iterable[str]) -> int:
         """Encode and store every prompt of ``prompts`` not cached yet; returns how many."""

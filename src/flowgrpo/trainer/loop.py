@@ -41,6 +41,7 @@ from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
 from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
+from flowgrpo.trainer.run_files import tidy_on_start
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
 # no advantage signal, so such a step logs them as absent
@@ -462,6 +463,10 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
         state["run_id"] = setup.new_run_id()
+    # a resume (or resume=auto finding no checkpoint to take: from step 0) abandons what is later
+    resumed_step = state["step"] if resume_from is not None or tr.resume == "auto" else None
+    notes = tidy_on_start(out, ckpt_root, resumed_step, state["run_id"]) if dist.is_main else []
+    barrier()  # later checkpoints moved aside, leftovers gone: before any rank writes
     global_batch = setup.global_batch_size(cfg)
     logger = RunLogger(
         out,
@@ -489,6 +494,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             num_frames=run.num_frames,
         )
     )
+    for line in notes:
+        logger.write(line)
     if run.engine.optim_changes:
         logger.write(setup.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model

@@ -216,7 +216,7 @@ def grid_layout(n: int, samples_per_prompt: int, cap: int = 64) -> tuple[set[int
 
 #: inside the folders a run writes to, the names it writes (run.overwrite deletes these only)
 RUN_WRITES = {
-    "checkpoints": re.compile(r"step_\d+(\.tmp)?"),
+    "checkpoints": re.compile(r"step_\d+(\.tmp)?"),  # abandoned_after_step_*: never deleted
     "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
     "wandb": re.compile(r"(offline-)?run-.+|latest-run|debug(-internal)?\.log|wandb-resume\.json"),
 }
@@ -253,20 +253,39 @@ def prepare_output_dir(cfg: Any, dist: DistInfo, *, fresh: bool) -> Path:
 def remove_run_outputs(out: Path) -> None:
     """Delete what a run writes in ``out``: the files of ``RUN_OUTPUTS`` and, inside its
     folders (checkpoints/, tensorboard/, wandb/), the names of ``RUN_WRITES`` only; a folder
-    left empty goes too. Anything else (a user's checkpoints/my_model.safetensors) stays."""
-    from flowgrpo.config.validate import RUN_OUTPUTS
+    left empty goes too. Anything else (a user's checkpoints/my_model.safetensors or
+    step_best.tmp/) stays, and so does a checkpoint another run wrote (not one of the run ids
+    recorded in ``.flowgrpo-run-ids``: ``run_files.removable_checkpoint``), said in one line."""
+    import warnings
 
+    from flowgrpo.config.validate import RUN_OUTPUTS
+    from flowgrpo.trainer.run_files import recorded_run_ids, removable_checkpoint
+
+    kept = []
     for name in RUN_OUTPUTS:
         target = out / name
         pattern = RUN_WRITES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
-            for entry in target.iterdir():
-                if pattern.fullmatch(entry.name):
-                    _remove(entry)
+            ids = recorded_run_ids(out) if name == "checkpoints" else None
+            for entry in sorted(target.iterdir()):
+                if not pattern.fullmatch(entry.name):
+                    continue
+                if name == "checkpoints" and entry.name.startswith("step_"):
+                    if not entry.is_dir() or not removable_checkpoint(entry, ids):
+                        kept.append(entry.name)
+                        continue
+                _remove(entry)
             if not any(target.iterdir()):
                 target.rmdir()
         elif target.exists() or target.is_symlink():
             _remove(target)
+    if kept:
+        warnings.warn(
+            f"run.overwrite kept {', '.join(kept)} in {out / 'checkpoints'}: not written by the "
+            "run it overwrites (another run's, or not a checkpoint); move it away yourself "
+            "if it should go",
+            stacklevel=2,
+        )
 
 
 def _remove(path: Path) -> None:
