@@ -25,7 +25,7 @@ NOT_INSTALLED_HERE = {"pyarrow": "pyarrow"}
 #: the preference models' reference code, imported only by
 #: tests/rewards/test_rewards_prefs_upstream.py from the folder FLOWGRPO_PREF_UPSTREAM names
 #: (they import torchvision: never a dependency of this package)
-UPSTREAM_REFERENCES = ("hpsv2", "ImageReward", "clip")
+UPSTREAM_REFERENCES = ("hpsv2", "ImageReward", "clip", "torchvision")
 #: imported only in a reward server's own environment, installed by its recipe (docs/rewards.md,
 #: GenEval's Mask2Former: mmdet and mmcv need an older torch than this package's)
 SERVER_ENVIRONMENT = ("mmdet",)

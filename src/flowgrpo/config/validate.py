@@ -150,8 +150,7 @@ def _check_source_images(cfg: Config, key: str, path: str) -> bool:
         if most is not None and len(images) > most:
             raise ConfigError(
                 f"config key {key!r}: {where}: {len(images)} source images, but model.path "
-                f"holds a {name}, which takes {most} per prompt (QwenImageEditPlusPipeline "
-                "takes several)"
+                f"holds a {name}, which takes {most} per prompt"
             )
         if edits and not images:
             raise ConfigError(

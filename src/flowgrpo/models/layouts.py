@@ -8,12 +8,9 @@ batch (``encode_by_layout``), a batch that mixes them carries each row's layout
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from flowgrpo.models.base import PromptEmbeds
 
 
 @dataclass(frozen=True)
@@ -45,10 +42,9 @@ def encode_by_layout(
     negative_prompts: list[str] | None,
     guidance_scale: float,
     images: list[list[torch.Tensor]],
-) -> tuple[PromptEmbeds, PromptEmbeds | None]:
-    """``adapter.encode`` of each layout's rows as a batch, put back in the prompts' order."""
-    from flowgrpo.models.base import PromptEmbeds
-
+) -> tuple[Any, Any]:
+    """``adapter.encode`` of each layout's rows as a batch, put back in the prompts' order
+    (the embeddings' own class joins them: this module never imports ``models.base``)."""
     parts = [
         adapter.encode(
             [prompts[i] for i in rows],
@@ -59,10 +55,11 @@ def encode_by_layout(
         for rows in groups
     ]
     order = torch.argsort(torch.tensor([i for rows in groups for i in rows]))
-    embeds = PromptEmbeds.cat([p[0] for p in parts]).select(order)
+    cat = type(parts[0][0]).cat
+    embeds = cat([p[0] for p in parts]).select(order)
     if parts[0][1] is None:
         return embeds, None
-    return embeds, PromptEmbeds.cat([p[1] for p in parts]).select(order)
+    return embeds, cat([p[1] for p in parts]).select(order)
 
 
 def forward_by_layout(
@@ -70,7 +67,7 @@ def forward_by_layout(
     transformer: torch.nn.Module,
     x: torch.Tensor,
     sigma: torch.Tensor,
-    embeds: PromptEmbeds,
+    embeds: Any,  # models.base.PromptEmbeds
     kw: dict[str, Any],
 ) -> torch.Tensor:
     """``adapter.forward`` once per source layout of the batch (one call takes one layout), the
