@@ -54,6 +54,12 @@ class ModelConfig:
         "Weights dtype: `auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`, `fp16`.",
         check=one_of(*DTYPES),
     )
+    base_quant: str = setting(
+        "none",
+        "LoRA runs: keep the frozen base transformer's weights quantized, `nf4` or `int8` "
+        "(weight-only), or `none`; rollout and training use the same quantized weights.",
+        check=one_of("none", "nf4", "int8"),
+    )
     height: int = setting(512, "Image height in pixels (8 for the toy).", check=ge(1))
     width: int = setting(512, "Image width in pixels.", check=ge(1))
     true_cfg_scale: float = setting(
