@@ -212,13 +212,29 @@ def summarize(runs: dict[str, list[dict]], budget_s: float) -> dict[str, dict[st
 
 
 def bench_algorithms(
-    *, quick: bool = False, rows: tuple[Row, ...] = ROWS, seeds: tuple[int, ...] = SEEDS
+    *,
+    quick: bool = False,
+    rows: tuple[Row, ...] = ROWS,
+    seeds: tuple[int, ...] = SEEDS,
+    only: tuple[str, ...] = (),
+    previous: dict | None = None,
 ) -> dict[str, object]:
+    """Train every row (or, with ``only``, just those rows, taking the others' curves from
+    ``previous``, an earlier full run's results) and time them all by one calibration."""
     steps, every = (1, 1) if quick else (40, 2)
     seeds = seeds[:1] if quick else seeds
+    unknown = sorted(set(only) - {r.key for r in rows})
+    if unknown:
+        raise ValueError(f"--rows: no such row {unknown[0]!r} (rows: {', '.join(ALGORITHMS)})")
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
+            if only and row.key not in only:
+                kept = (previous or {}).get("runs", {}).get(row.key)
+                if kept is None:
+                    raise ValueError(f"--rows: no earlier results for row {row.key!r}: run it too")
+                runs[row.key] = kept
+                continue
             runs[row.key] = [
                 run_one(row, s, Path(tmp) / f"{row.key}_{s}", steps, every) for s in seeds
             ]

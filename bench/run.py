@@ -410,12 +410,22 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
         "sp,memory,toy,algorithms,rewards",
     )
+    parser.add_argument(
+        "--rows",
+        default="",
+        help="algorithms section: train only these rows (comma-separated keys), keep the "
+        "others' curves from --out, and time every row by one new calibration",
+    )
     args = parser.parse_args(argv)
     s = replace(QUICK if args.quick else BenchSettings(), device=args.device)
     torch.set_num_threads(s.threads)
     kinds = [k for k in args.kinds.split(",") if k]
     sections = set(args.sections.split(","))
+    out = Path(args.out)
+    # a full run merges into the file it writes: the sections not run now keep their results
+    earlier = json.loads(out.read_text()) if out.exists() and not args.quick else {}
     results: dict[str, object] = {
+        **earlier,
         "machine": machine_info(),
         "settings": asdict(s),
         "quick": args.quick,
@@ -455,7 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     if "algorithms" in sections:  # time-to-reward of every algorithm on the toy
         from bench.algorithms import bench_algorithms, write_report
 
-        results["algorithms"] = bench_algorithms(quick=args.quick)
+        results["algorithms"] = bench_algorithms(
+            quick=args.quick,
+            only=tuple(k for k in args.rows.split(",") if k),
+            previous=earlier.get("algorithms"),
+        )
         if not args.quick:
             write_report(results["algorithms"])
     if "rewards" in sections:  # images/s of every built-in reward at 512 px, real sizes
@@ -463,7 +477,6 @@ def main(argv: list[str] | None = None) -> int:
 
         results["rewards"] = bench_rewards(quick=args.quick, device=s.device)
     results["targets"] = check_targets(results)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(format_table(results))
