@@ -14,7 +14,7 @@ import torch
 
 from flowgrpo.engine.dist import init_distributed
 from flowgrpo.trainer.figures import fitted_sources, save_grid, save_images
-from flowgrpo.trainer.run import Run, evaluate, rollout
+from flowgrpo.trainer.run import Run, evaluate, marking_checkpoint, rollout
 from flowgrpo.trainer.run_folder import resolve_checkpoint
 from flowgrpo.trainer.seeds import SAMPLE_SALT
 
@@ -50,7 +50,7 @@ def run_sample(
     if not prompts:
         raise ValueError("run_sample needs at least one prompt")
     run = _restored(cfg, checkpoint, "sample", tuple(prompts))  # prompts reach the cache
-    with run.ema():
+    with run.ema(), marking_checkpoint(run):  # no checkpoint to mark: the error line
         plan = run.eval_plan()
         result = rollout(
             run,

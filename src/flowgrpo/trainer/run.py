@@ -119,8 +119,8 @@ def rollout(
     with ``eval``) in chunks of ``sample.rollout_batch_size``; sample i's noise comes from
     (seed, step, indices[i]), its initial noise from its group ``groups[i]`` instead with
     ``sample.same_latent`` (training only). ``on_chunk(traj, rows)`` is called as each chunk
-    finishes (async reward scoring). Non-finite latents raise TrainingDiverged
-    (``diverged_message``); marking the checkpoint is ``marking_checkpoint``'s job."""
+    finishes (async reward scoring). Non-finite latents stop it (``NonFiniteRollout``):
+    call it inside ``marking_checkpoint``, which marks the checkpoint and words the error."""
     s, m, parts = run.cfg.sample, run.cfg.model, []
     chunk = max(1, s.rollout_batch_size)
     for lo in range(0, len(prompts), chunk):
@@ -142,11 +142,20 @@ def rollout(
         )
         if not bool(torch.isfinite(traj.final_latents).all()):
             what = "eval rollout" if eval else f"rollout of step {step}"
-            raise TrainingDiverged(diverged_message(run, what))
+            raise NonFiniteRollout(what)
         if on_chunk is not None:
             on_chunk(traj, rows)
         parts.append(traj)
     return Trajectory.cat(parts)
+
+
+class NonFiniteRollout(TrainingDiverged):
+    """A rollout produced non-finite latents (``what``: "eval rollout", "rollout of step 3");
+    ``marking_checkpoint`` turns it into the run's error line."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"the {what} produced non-finite latents")
+        self.what = what
 
 
 def diverged_message(run: Run, what: str) -> str:
@@ -167,14 +176,16 @@ def diverged_message(run: Run, what: str) -> str:
 @contextlib.contextmanager
 def marking_checkpoint(run: Run) -> Iterator[None]:
     """Around a rollout of the current weights: mark the checkpoint holding them
-    (``run.checkpoint``; none when they changed since the last save) by how it went. Finite:
-    ``run.rollout_ok`` and the ROLLOUT_OK marker (a good checkpoint). Non-finite
-    (TrainingDiverged): the DIVERGED marker, so that no resume takes it."""
+    (``run.checkpoint``; none when they changed since the last save, or outside a training
+    run) by how it went. Finite: ``run.rollout_ok`` and the ROLLOUT_OK marker (a good
+    checkpoint). Non-finite (``NonFiniteRollout``): the DIVERGED marker, so that no resume
+    takes it, then TrainingDiverged with the line that says what to do (``diverged_message``,
+    worded once the marker is there: it names the last good checkpoint)."""
     try:
         yield
-    except TrainingDiverged:
+    except NonFiniteRollout as e:
         mark_diverged(run.checkpoint, run.dist)
-        raise
+        raise TrainingDiverged(diverged_message(run, e.what)) from None
     run.rollout_ok = True
     mark_good(run.checkpoint, run.dist)
 
@@ -292,6 +303,7 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
 
 __all__ = [
     "EvalGrid",
+    "NonFiniteRollout",
     "Run",
     "diverged_message",
     "evaluate",
