@@ -56,6 +56,13 @@ ROWS = (
     Row("nft_tuned", "nft", (), "tuned on the toy (preset): 3 noise levels, KL 0.01"),
     Row("awm", "awm"),
     Row("flow_dppo", "flow_dppo"),
+    Row("dpo", "dpo", (), "authors': pairs sampled by the reference (base), beta 100"),
+    Row(
+        "dpo_policy",
+        "dpo",
+        ("dpo.rollout_policy=policy",),
+        "online: pairs sampled by the current policy, beta 100",
+    ),
 )
 ALGORITHMS = tuple(r.key for r in ROWS)  # the table's rows, in order
 
