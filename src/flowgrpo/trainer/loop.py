@@ -41,6 +41,7 @@ from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
 from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
 from flowgrpo.trainer.quiet import quiet_known_noise
+from flowgrpo.trainer.refill import refill
 from flowgrpo.trainer.run_files import tidy_on_start
 
 # train/ metrics of the importance ratio and its clipping: meaningless (not 0) on a step with
@@ -300,11 +301,19 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     mine_groups = groups[start : start + count]
     plan = run.rollout_plan(step)
     traj, local, reward_s = score(run, plan, prompts, metadata, mine, step, locations, mine_groups)
-    t2 = time.perf_counter()
     rewards = gather_rewards(run, local)
-    group_ids = torch.tensor(groups)
+    group_ids, positions, refilled = torch.tensor(groups), torch.arange(start, start + count), {}
+    if cfg.sample.refill_rounds > 0 and plan.train:  # constant groups replaced (trainer/refill.py)
+
+        def more(plan, *a):
+            return score(run, plan, *a[:3], step, *a[3:])
+
+        out = refill(run, step, traj, rewards, groups, mine, more, gather_rewards)
+        traj, rewards, group_ids, positions, mine = out[:5]
+        reward_s, refilled = reward_s + out.reward_s, out.metrics
+    t2 = time.perf_counter()
     combined = run.algorithm.advantages(rewards, run.reward.weights_of(rewards), group_ids)
-    advantages = combined.advantages[start : start + count].to(dist.device)
+    advantages = combined.advantages[positions].to(dist.device)
     train_metrics = {}
     if plan.train:  # MixGRPO's empty window trains nothing
         seeds = [setup.sample_seed(cfg.seed, step, i) for i in mine]
@@ -321,6 +330,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         **reward_stats(rewards, group_ids),
         "zero_std_ratio": zero_std_ratio(combined.reward, group_ids),
         "advantage_abs_mean": float(combined.advantages.abs().mean()),
+        **refilled,
         **{f"train/{k}": float(v) for k, v in train_metrics.items()},
         "time/rollout_s": t2 - t0 - reward_s,
         "time/reward_s": reward_s,
@@ -519,7 +529,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         step = state["step"] + 1
         metrics = train_one_step(run, step)
         run.checkpoint, run.rollout_ok = None, False  # new weights: not checked, not saved
-        state.update(step=step, samples=state["samples"] + global_batch)
+        extra = int(metrics.get("refill/samples", 0))  # sample.refill_rounds' extra rollouts
+        state.update(step=step, samples=state["samples"] + global_batch + extra)
         state["sampler"] = run.sampler.state_dict()
         row = {"step": step, "samples": state["samples"], **metrics}
         if checkpoint_s is not None:  # the checkpoint written after the previous step
