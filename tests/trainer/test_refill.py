@@ -151,3 +151,14 @@ def test_resume_is_bit_exact(straight, tmp_path):
     assert wa.keys() == wb.keys() and len(wa) > 10
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_refill_feeds_dpo_pairs(reward_module, tmp_path):
+    """Refill under algorithm=dpo (pairs from the refilled groups): every one of the m trained
+    groups gives one pair, whatever prompts the refill drew."""
+    train(tmp_path / "run", "algorithm=dpo", "trainer.max_steps=1", "trainer.save_every=0")
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["train/pairs_trained"] == 4.0
+    assert row["zero_std_ratio"] == pytest.approx(
+        row["refill/zero_std_ratio_before"] - row["refill/groups_refilled"] / 4
+    )
