@@ -165,7 +165,7 @@ def _setup(mode: str, **over):
 
 def _rollout(cfg, adapter, algo, step: int = 1):
     from flowgrpo.rollout import sample_trajectories
-    from flowgrpo.trainer.setup import sample_seed
+    from flowgrpo.trainer.seeds import sample_seed
 
     seeds = [sample_seed(cfg.seed, step, i) for i in range(len(ar.DPO_PROMPTS))]
     plan = algo.rollout_plan(step)
