@@ -276,14 +276,17 @@ def bench_algorithms(
         for row in rows:
             if only and row.key not in only:
                 kept = (previous or {}).get("runs", {}).get(row.key)
-                if kept is None:
-                    raise ValueError(f"--rows: no earlier results for row {row.key!r}: run it too")
+                if kept is None:  # a row added since, never measured: left out of this table
+                    print(f"algorithms: {row.key} has no earlier results: left out (train it "
+                          "with --rows)", file=sys.stderr, flush=True)  # fmt: skip
+                    continue
                 runs[row.key] = kept
                 continue
             runs[row.key] = [
                 run_one(row, s, Path(tmp) / f"{row.key}_{s}", steps, every) for s in seeds
             ]
             print(f"algorithms: {row.key} done", file=sys.stderr, flush=True)
+    rows = tuple(r for r in rows if r.key in runs)
     return finish(runs, calibrate(rows, rounds=1 if quick else 2), rows, seeds, steps, every)
 
 
