@@ -15,6 +15,9 @@ from flowgrpo.testing.ranks import rank_env
 
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
+# dpo trains pairs (+1 winner, -1 loser of one prompt): both pairs cross the 2 ranks' split
+DPO_PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 1", "a handwritten 2"]
+DPO_TAGS = torch.tensor([1.0, -1.0, -1.0, 1.0])
 # every family of the conformance suite, at its training size (videos: 5 frames = 2 latent)
 # (FLOWGRPO_TEST_KINDS=a,b narrows a local run to those families; CI runs every one)
 _ONLY = {k for k in os.environ.get("FLOWGRPO_TEST_KINDS", "").split(",") if k}
@@ -79,6 +82,9 @@ def run(
     dist = init_distributed()
     adapter = build_adapter(pipeline(kind), **family(kind).train_options, **frames_option(kind))
     engine, algo = build_engine(cfg, adapter, dist)
+    prompts = PROMPTS
+    if algorithm == "dpo" and advantages is ADVANTAGES:
+        prompts, advantages = DPO_PROMPTS, DPO_TAGS
     share = len(PROMPTS) // world
     mine = list(range(rank * share, (rank + 1) * share))
     plan = algo.rollout_plan(1)
@@ -86,7 +92,7 @@ def run(
     with torch.no_grad(), algo.rollout_weights():
         traj = sample_trajectories(
             adapter,
-            [PROMPTS[i] for i in mine],
+            [prompts[i] for i in mine],
             num_steps=plan.num_steps,
             guidance_scale=plan.guidance_scale,
             noise_level=plan.noise_level,

@@ -38,6 +38,7 @@ from flowgrpo.trainer import setup
 from flowgrpo.trainer.commands import run_eval, run_export_lora, run_sample
 from flowgrpo.trainer.figures import reward_notes, save_grid
 from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
+from flowgrpo.trainer.refill import refill
 from flowgrpo.trainer.run import (
     EvalGrid,
     Run,
@@ -160,7 +161,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         # rollout -> rewards -> advantages -> update
         metrics = train_one_step(run, step)
         run.checkpoint, run.rollout_ok = None, False  # new weights: not checked, not saved
-        state.update(step=step, samples=state["samples"] + global_batch)
+        extra = int(metrics.get("refill/samples", 0))  # sample.refill_rounds' extra rollouts
+        state.update(step=step, samples=state["samples"] + global_batch + extra)
         state["sampler"] = run.sampler.state_dict()
         # log
         row = {"step": step, "samples": state["samples"], **metrics}
@@ -245,12 +247,21 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         traj, local, reward_s = rollout_and_score(
             run, plan, prompts, metadata, mine, step, locations, mine_groups
         )
-    t2 = time.perf_counter()
     rewards = gather_rewards(run, local)
-    # advantages, on the global batch; this rank's slice
-    group_ids = torch.tensor(groups)
+    group_ids, positions, refilled = torch.tensor(groups), torch.arange(start, start + count), {}
+    if cfg.sample.refill_rounds > 0 and plan.train:  # constant groups replaced (trainer/refill.py)
+
+        def more(plan, *a):  # another rollout of this step, scored (refill's new groups)
+            with run.algorithm.rollout_weights():
+                return rollout_and_score(run, plan, *a[:3], step, *a[3:])
+
+        out = refill(run, step, traj, rewards, groups, mine, more, gather_rewards)
+        traj, rewards, group_ids, positions, mine = out[:5]
+        reward_s, refilled = reward_s + out.reward_s, out.metrics
+    t2 = time.perf_counter()
+    # advantages, on the global batch; this rank's samples of it
     combined = run.algorithm.advantages(rewards, run.reward.weights_of(rewards), group_ids)
-    advantages = combined.advantages[start : start + count].to(dist.device)
+    advantages = combined.advantages[positions].to(dist.device)
     # update
     train_metrics = {}
     if plan.train:  # MixGRPO's empty window trains nothing
@@ -268,6 +279,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         **reward_stats(rewards, group_ids),
         "zero_std_ratio": zero_std_ratio(combined.reward, group_ids),
         "advantage_abs_mean": float(combined.advantages.abs().mean()),
+        **refilled,
         **{f"train/{k}": float(v) for k, v in train_metrics.items()},
         "time/rollout_s": t2 - t0 - reward_s,
         "time/reward_s": reward_s,
