@@ -31,6 +31,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "QwenImageEditPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditAdapter",
     "QwenImageEditPlusPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditPlusAdapter",
     "FluxKontextPipeline": "flowgrpo.models.flux_kontext:FluxKontextAdapter",
+    "ChromaPipeline": "flowgrpo.models.chroma:ChromaAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)

@@ -1186,6 +1186,44 @@ def _build_flux_kontext(tcfg: dict[str, Any], seeds) -> Any:
 
 TRANSFORMER_CONFIGS["flux_kontext"] = dict(TRANSFORMER_CONFIGS["flux"])
 
+# Chroma (lodestones/Chroma1-HD): FLUX.1's blocks (1 double + 1 single), T5 only, the
+# modulation approximator at 2 layers of 32 (real: 5 of 5120, 64 input channels)
+TRANSFORMER_CONFIGS["chroma"] = {
+    "patch_size": 1,
+    "in_channels": 16,  # 4 latent channels x 2x2 packing
+    "num_layers": 1,
+    "num_single_layers": 1,
+    "attention_head_dim": 32,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,  # = T5 d_model
+    "axes_dims_rope": (8, 12, 12),
+    "approximator_num_channels": 16,
+    "approximator_hidden_dim": 32,
+    "approximator_layers": 2,
+}
+SCHEDULER_CONFIGS["chroma"] = SCHEDULER_CONFIGS["flux"]  # FLUX.1's dynamic shift
+
+
+def _build_chroma(tcfg: dict[str, Any], seeds) -> Any:
+    """ChromaPipeline: the T5 tokenizer and encoder of the FLUX tiny, FLUX.1's VAE factors."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    tok = _t5_tokenizer()
+    torch.manual_seed(next(seeds))
+    text_encoder = _t5_encoder(tok, d_model=tcfg["joint_attention_dim"])
+    torch.manual_seed(next(seeds))
+    vae = _kl_vae(shift=0.1159, scale=0.3611)
+    torch.manual_seed(next(seeds))
+    transformer = ChromaTransformer2DModel(**tcfg)
+    return ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIGS["chroma"]),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        transformer=transformer,
+    )
+
+
 _BUILDERS = {
     "qwen_image": _build_qwen_image,
     "sd3": _build_sd3,
@@ -1201,7 +1239,8 @@ _BUILDERS = {
 }
 _BUILDERS["qwen_image21"] = _build_qwen_image21
 _BUILDERS["flux_kontext"] = _build_flux_kontext
-_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + TINY_OTHER_KINDS + ("z_image",)
+_BUILDERS["chroma"] = _build_chroma
+_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + TINY_OTHER_KINDS + ("z_image", "chroma")
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:

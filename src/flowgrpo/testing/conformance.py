@@ -318,6 +318,12 @@ FAMILIES: tuple[Family, ...] = (
     ),
     _QWEN_IMAGE_EDIT,
     replace(_QWEN_IMAGE_EDIT, kind="qwen_image_edit_plus", sources=_two_sources),  # two sources
+    Family(
+        "chroma",
+        ((32, 48), (24, 16)),
+        options={"max_sequence_length": 16},
+        call_options={"max_sequence_length": 16},
+    ),
     Family(  # both sizes of one area: the stock call's max_area keeps them as given
         "flux_kontext",
         ((128, 192), (192, 128)),
