@@ -23,16 +23,23 @@ of the mask and passes it as ``attn_mask``), so the padded tokens still take par
 keeps that arithmetic, and the padding with it: trimming the text to the longest prompt (what
 ``PromptEmbeds.mask`` would do) would change the result.
 
+Activation checkpointing: diffusers' checkpointed call of a single block passes no
+``attention_mask`` (transformer_chroma.py, ``_gradient_checkpointing_func(block,
+hidden_states, temb, image_rotary_emb)``), so a checkpointed training pass would run without
+the mask the rollout used. While the adapter's call runs, the transformer's checkpointing
+function binds the call's mask to each single block (restored after the call); the
+recomputation in backward uses the bound mask.
+
 Limits: diffusers ships no context-parallel plan for ``ChromaTransformer2DModel`` and its
 blocks take the mask as a full [B, L + S] tensor, so no sequence parallelism
-(``sequence_parallel`` None: the engine refuses ``fsdp.sp_degree`` > 1 naming the class); its
-single blocks drop the mask under gradient checkpointing (the checkpointed call passes no
-``attention_mask``), so the adapter refuses a training pass with checkpointing on.
+(``sequence_parallel`` None: the engine refuses ``fsdp.sp_degree`` > 1 naming the class).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -47,6 +54,29 @@ from flowgrpo.models.base import (
     param_dtype,
     vae_scale,
 )
+
+
+@contextmanager
+def masked_checkpointing(transformer: torch.nn.Module, mask: torch.Tensor) -> Iterator[None]:
+    """While the block runs, ``transformer``'s checkpointing function (when checkpointing is
+    on and grad enabled) calls each single block with ``attention_mask=mask``, which diffusers'
+    checkpointed call leaves out; the function is restored after."""
+    base = getattr(transformer, "_gradient_checkpointing_func", None)
+    if base is None or not (torch.is_grad_enabled() and transformer.gradient_checkpointing):
+        yield
+        return
+    from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock
+
+    def bound(block: Any, *args: Any) -> Any:
+        if isinstance(block, ChromaSingleTransformerBlock):  # FSDP's subclass too
+            return base(functools.partial(block, attention_mask=mask), *args)
+        return base(block, *args)
+
+    transformer._gradient_checkpointing_func = bound
+    try:
+        yield
+    finally:
+        transformer._gradient_checkpointing_func = base
 
 
 class ChromaAdapter(DiffusionAdapter):
@@ -147,11 +177,6 @@ class ChromaAdapter(DiffusionAdapter):
         """Raw velocity [B, S, 4C] for packed latents; timestep = t / 1000 with t = 1000 sigma."""
         if embeds.pooled is None:
             raise ValueError("Chroma prompt embeddings lack the text mask (PromptEmbeds.pooled)")
-        if torch.is_grad_enabled() and getattr(transformer, "gradient_checkpointing", False):
-            raise ValueError(
-                "Chroma trains without activation checkpointing: diffusers 0.42.1's checkpointed "
-                "single blocks drop the attention mask (set fsdp.activation_checkpointing=false)"
-            )
         dtype = param_dtype(transformer)
         device, batch = latents.device, latents.shape[0]
         f = self.pipe.vae_scale_factor * 2
@@ -160,15 +185,16 @@ class ChromaAdapter(DiffusionAdapter):
         text_ids = torch.zeros(embeds.embeds.shape[1], 3, device=device, dtype=embeds.embeds.dtype)
         mask = torch.cat([embeds.pooled.to(dtype), latents.new_ones(batch, h * w, dtype=dtype)], 1)
         t = sigma.to(device=device, dtype=torch.float32) * self.num_train_timesteps
-        return transformer(
-            hidden_states=latents.to(dtype),
-            timestep=t.to(latents.dtype) / 1000,
-            encoder_hidden_states=embeds.embeds.to(dtype),
-            txt_ids=text_ids,
-            img_ids=img_ids,
-            attention_mask=mask,
-            return_dict=False,
-        )[0]
+        with masked_checkpointing(transformer, mask):
+            return transformer(
+                hidden_states=latents.to(dtype),
+                timestep=t.to(latents.dtype) / 1000,
+                encoder_hidden_states=embeds.embeds.to(dtype),
+                txt_ids=text_ids,
+                img_ids=img_ids,
+                attention_mask=mask,
+                return_dict=False,
+            )[0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -54,6 +54,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "flux-kontext-counting": ("FluxKontextPipeline",),
     "sd3-geneval": ("StableDiffusion3Pipeline",),
     "sd3-vlm-judge": ("StableDiffusion3Pipeline",),
+    "chroma-pickscore": ("ChromaPipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
@@ -76,6 +77,7 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("hunyuan-video15-pickscore", "hunyuan-video-1.5-480p-t2v", []),
     ("flux-kontext-counting", "flux.1-kontext-dev", []),
     ("qwen-image-edit-counting", "qwen-image-edit", []),
+    ("chroma-pickscore", "chroma1-hd", []),
 ]
 
 

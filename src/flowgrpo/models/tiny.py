@@ -1240,7 +1240,9 @@ _BUILDERS = {
 _BUILDERS["qwen_image21"] = _build_qwen_image21
 _BUILDERS["flux_kontext"] = _build_flux_kontext
 _BUILDERS["chroma"] = _build_chroma
-_ALL_KINDS = TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + TINY_OTHER_KINDS + ("z_image", "chroma")
+_ALL_KINDS = (
+    TINY_KINDS + TINY_VIDEO_KINDS + TINY_EDIT_KINDS + TINY_OTHER_KINDS + ("z_image", "chroma")
+)
 
 
 def tiny_pipeline(kind: str, seed: int = 0, **overrides: Any) -> DiffusionPipeline:
