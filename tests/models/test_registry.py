@@ -163,16 +163,26 @@ def test_family_options_are_model_settings_and_come_from_the_adapters():
     assert adapter_options(StableDiffusion3Pipeline) == {"max_sequence_length"}
 
 
-def test_sequence_parallel_spec_is_found_from_the_transformer_class():
-    from flowgrpo.models.registry import sequence_parallel_of
+def test_families_declare_their_engine_inputs():
+    """What the engine gets from a family (``engine_declarations``): its LoRA targets, its SP
+    spec, whose class is its transformer's (FLUX.1 Kontext shares FLUX.1's), and its blocks;
+    a spec passed for another transformer is refused before any mesh is touched."""
+    from flowgrpo.engine.sp import enable_sequence_parallel
+    from flowgrpo.models.flux import FluxAdapter
 
-    found = {kind: sequence_parallel_of(tiny_pipeline(kind).transformer) for kind in TINY_KINDS}
-    assert {k: s.name for k, s in found.items()} == {k: k for k in TINY_KINDS}
-    assert sequence_parallel_of(tiny_pipeline("wan").transformer) is None  # diffusers' plan
+    for kind in TINY_KINDS:
+        adapter = build_adapter(tiny_pipeline(kind))
+        declared = adapter.engine_declarations()
+        assert declared.lora_targets == tuple(adapter.lora_target_modules) != ()
+        assert declared.sequence_parallel is type(adapter).sequence_parallel
+        assert declared.sequence_parallel.name == kind
+        classes = {c.__name__ for c in type(adapter.transformer).__mro__}
+        assert declared.sequence_parallel.transformer_class in classes
+    wan = build_adapter(tiny_pipeline("wan")).engine_declarations()
+    assert wan.sequence_parallel is None and wan.fsdp_blocks is None  # diffusers' plan, blocks
     sd3 = tiny_pipeline("sd3").transformer
-    sd3.__class__ = type("FSDPSD3Transformer2DModel", (type(sd3),), {})  # as fully_shard does
-    assert sequence_parallel_of(sd3) is found["sd3"]
-    assert sequence_parallel_of(torch.nn.Linear(2, 2)) is None
+    with pytest.raises(ValueError, match="spec 'flux' is for FluxTransformer2DModel, not SD3"):
+        enable_sequence_parallel(sd3, None, 2, spec=FluxAdapter.sequence_parallel)
 
 
 def test_padding_rules_of_the_families():

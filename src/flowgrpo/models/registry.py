@@ -174,18 +174,6 @@ def adapter_classes() -> list[Any]:
     return [import_adapter(path) for path in dict.fromkeys(SUPPORTED_PIPELINES.values())]
 
 
-def sequence_parallel_of(transformer: Any) -> Any:
-    """The ``SequenceParallelSpec`` (models/parallel.py) a registered family declares for the
-    class of ``transformer`` (or a base class: FSDP's subclasses match), or None: then
-    diffusers' own ``_cp_plan`` and processors apply, with no padding."""
-    names = {cls.__name__ for cls in type(transformer).__mro__}
-    for adapter_cls in adapter_classes():
-        spec = getattr(adapter_cls, "sequence_parallel", None)
-        if spec is not None and spec.transformer_class in names:
-            return spec
-    return None
-
-
 def build_adapter(pipe: Any, **kwargs: Any) -> Any:
     """Wrap ``pipe`` in the adapter for its class: ``AdapterClass(pipe, **kwargs)``."""
     return import_adapter(resolve_adapter_path(type(pipe)))(pipe, **kwargs)
