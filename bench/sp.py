@@ -83,7 +83,7 @@ def _prepare(kind: str, pm, size: int, batch: int, lora_rank: int = 8):
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets))
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
-    enable_sequence_parallel(model, pm, pm.sp_size)  # None for sp = 1
+    enable_sequence_parallel(model, pm, pm.sp_size, spec=adapter.sequence_parallel)  # sp 1: None
     for block in transformer_blocks(model):
         fully_shard(block, mesh=pm.fsdp)
     fully_shard(model, mesh=pm.fsdp, mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32))

@@ -170,7 +170,7 @@ def check_kind(kind: str, pm) -> dict:
 
     # forward and the guided velocity (CFG doubled batch), no grad
     model = copy.deepcopy(base)
-    info = enable_sequence_parallel(model, pm, 2)
+    info = enable_sequence_parallel(model, pm, 2, spec=adapter.sequence_parallel)
     res["family"] = info.family
     with torch.no_grad():
         res["forward_rel"] = rel(fwd(model), fwd(base))
@@ -189,7 +189,6 @@ def check_kind(kind: str, pm) -> dict:
     # bf16 weights (what GPUs run): SP is no farther from fp32 than one process in bf16 is
     sp16 = copy.deepcopy(base).to(torch.bfloat16)
     one16 = copy.deepcopy(sp16)
-    # the spec passed by the caller (as from the adapter), not looked up from the class
     res["bf16_family"] = enable_sequence_parallel(
         sp16, pm, 2, spec=adapter.sequence_parallel
     ).family
@@ -205,13 +204,13 @@ def check_kind(kind: str, pm) -> dict:
         res["stock_processor_error"] = _error(lambda: fwd(model))
     if kind == "qwen_image":  # ranks of an SP group fed different samples: refused
         checked = copy.deepcopy(base)
-        enable_sequence_parallel(checked, pm, 2, verify_inputs=True)
+        enable_sequence_parallel(checked, pm, 2, spec=adapter.sequence_parallel, verify_inputs=True)
         mine = make_inputs(kind, adapter, seed=10 + pm.sp_rank)
         with torch.no_grad():
             res["mismatch_error"] = _error(lambda: fwd(checked, mine[0], mine[2]))
     if kind == "flux":  # LoRA added after SP on the output layer (its gather hook): refused
         late = copy.deepcopy(base)
-        enable_sequence_parallel(late, pm, 2)
+        enable_sequence_parallel(late, pm, 2, spec=adapter.sequence_parallel)
         add_lora(late, adapter, targets=["proj_out"])
         with torch.no_grad():
             res["lora_after_sp_error"] = _error(lambda: fwd(late))
@@ -229,7 +228,7 @@ def check_kind(kind: str, pm) -> dict:
         ref = copy.deepcopy(model)
         if ckpt:
             model.enable_gradient_checkpointing()
-        enable_sequence_parallel(model, pm, 2)
+        enable_sequence_parallel(model, pm, 2, spec=adapter.sequence_parallel)
         shard(model, pm, scale=case != "no_scale")
         calls: list[int] = []  # block 0 runs twice per forward + backward under checkpointing
         model.transformer_blocks[0].register_forward_pre_hook(lambda *_, c=calls: c.append(1))
@@ -280,7 +279,7 @@ def check_own_plan(kind: str, pm) -> dict:
     inputs = (lat, torch.tensor([0.8, 0.35]), pos, neg)
     res: dict = {}
     model = copy.deepcopy(base)
-    res["family"] = enable_sequence_parallel(model, pm, 2).family
+    res["family"] = enable_sequence_parallel(model, pm, 2, spec=adapter.sequence_parallel).family
     with torch.no_grad():
         f_sp, f_one = (
             adapter.forward(m, lat, inputs[1], pos, height=hw[0], width=hw[1], guidance_scale=4.0)
@@ -310,7 +309,7 @@ def check_own_plan(kind: str, pm) -> dict:
         ref = copy.deepcopy(model)
         if ckpt:
             model.enable_gradient_checkpointing()
-        enable_sequence_parallel(model, pm, 2)
+        enable_sequence_parallel(model, pm, 2, spec=adapter.sequence_parallel)
         shard(model, pm)
         calls: list[int] = []
         block = model.get_submodule(FIRST_SPLIT_BLOCK.get(kind, "transformer_blocks.0"))
@@ -417,7 +416,7 @@ def dp_sp_job(rank: int, world: int, port: int, workdir: str) -> None:
         model = copy.deepcopy(base)
         add_lora(model, adapter)
         ref = copy.deepcopy(model)
-        enable_sequence_parallel(model, pm, 2)
+        enable_sequence_parallel(model, pm, 2, spec=adapter.sequence_parallel)
         shard(model, pm)
         got = loss_grads(adapter, model, [data[pm.dp_rank]], weight)  # FSDP: mean over dp
         res[name].update(compare_grads(got, loss_grads(adapter, ref, data, weight)))

@@ -269,3 +269,27 @@ def test_zero_advantage_samples_are_dropped(dist1, tiny_traj):
     assert m["optimizer_steps"] == 0 and m["samples_trained"] == 0 and engine.optimizer_steps == 0
     after = tm.trainable(engine)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_engine_takes_what_the_family_declares(dist1):
+    """The engine's LoRA targets and FSDP blocks are the ``declared`` ones it is given (here
+    other than the adapter's own), never found by itself; a declared block class that names
+    no module is refused by name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from flowgrpo.engine import EngineConfig, LoraConfig
+    from flowgrpo.models.parallel import EngineDeclarations
+
+    declared = EngineDeclarations(lora_targets=("to_q",), fsdp_blocks=("JointTransformerBlock",))
+    adapter = tm.TinyAdapter()
+    engine = DiffusersFSDPEngine(adapter, EngineConfig(lora=LoraConfig(rank=2)), declared=declared)
+    lora = {n.split(".lora_")[0] for n in engine.param_names}
+    assert lora and all(n.endswith("attn.to_q") for n in lora), sorted(lora)
+    units = [n for n, m in engine.model.named_modules() if isinstance(m, FSDPModule)]
+    assert units == ["", "transformer_blocks.0", "transformer_blocks.1"]
+    assert engine.declared is declared
+    default = DiffusersFSDPEngine(tm.TinyAdapter(), EngineConfig(lora=LoraConfig(rank=2)))
+    assert default.declared == tm.TinyAdapter().engine_declarations()
+    wrong = EngineDeclarations(lora_targets=("to_q",), fsdp_blocks=("NoSuchBlock",))
+    with pytest.raises(ValueError, match=r"fsdp_blocks \['NoSuchBlock'\] name no module"):
+        DiffusersFSDPEngine(tm.TinyAdapter(), EngineConfig(lora=LoraConfig(rank=2)), declared=wrong)

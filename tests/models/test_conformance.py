@@ -68,6 +68,11 @@ def test_bf16_training_pass_is_exactly_on_policy(bf16, fam, sde_type):
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
+def test_checkpointing_keeps_the_gradients(pipes, fam):
+    C.check_checkpointing_gradients(fam, pipes(fam))
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
 def test_lora_targets_exist(pipes, fam):
     C.check_lora_targets(fam, pipes(fam))
 

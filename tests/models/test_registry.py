@@ -182,25 +182,31 @@ SP_FAMILIES = [
 
 
 @pytest.mark.parametrize("fam", params(SP_FAMILIES))
-def test_sequence_parallel_spec_is_found_from_the_transformer_class(fam):
-    """Each family that declares a spec finds it from its transformer, also through a
-    subclass as FSDP makes (``fully_shard``)."""
-    from flowgrpo.models.registry import sequence_parallel_of
+def test_declared_sequence_parallel_spec_is_for_the_family_transformer(fam):
+    """What the engine gets from a family (``engine_declarations``): its LoRA targets and its
+    SP spec, which names a class of its transformer (FLUX.1 Kontext shares FLUX.1's; the toy
+    is an SD3 transformer), also through a subclass as FSDP makes (``fully_shard``)."""
+    adapter = build_adapter(tiny_pipeline(fam.kind))
+    declared = adapter.engine_declarations()
+    assert declared.sequence_parallel is type(adapter).sequence_parallel
+    assert declared.lora_targets == tuple(adapter.lora_target_modules) != ()
+    cls = type(adapter.transformer)
+    fsdp = type(f"FSDP{cls.__name__}", (cls,), {})  # as fully_shard does
+    assert declared.sequence_parallel.transformer_class in {c.__name__ for c in fsdp.__mro__}
 
-    declared = import_adapter(SUPPORTED_PIPELINES[fam.pipeline_class]).sequence_parallel
-    transformer = tiny_pipeline(fam.kind).transformer
-    assert sequence_parallel_of(transformer) is declared
-    cls = type(transformer)
-    transformer.__class__ = type(f"FSDP{cls.__name__}", (cls,), {})  # as fully_shard does
-    assert sequence_parallel_of(transformer) is declared
 
+def test_sequence_parallel_specs_are_named_for_their_family_and_checked():
+    """Specs carry their family's name; without one (Wan) diffusers' plan applies; a spec
+    passed for another transformer is refused before any mesh is touched."""
+    from flowgrpo.engine.sp import enable_sequence_parallel
+    from flowgrpo.models.flux import FluxAdapter
 
-def test_sequence_parallel_specs_are_named_for_their_family():
-    from flowgrpo.models.registry import sequence_parallel_of
-
-    assert sequence_parallel_of(tiny_pipeline("sd3").transformer).name == "sd3"
-    assert sequence_parallel_of(tiny_pipeline("wan").transformer) is None  # diffusers' plan
-    assert sequence_parallel_of(torch.nn.Linear(2, 2)) is None
+    assert build_adapter(tiny_pipeline("sd3")).engine_declarations().sequence_parallel.name == "sd3"
+    wan = build_adapter(tiny_pipeline("wan")).engine_declarations()
+    assert wan.sequence_parallel is None and wan.fsdp_blocks is None  # diffusers' plan, blocks
+    sd3 = tiny_pipeline("sd3").transformer
+    with pytest.raises(ValueError, match="spec 'flux' is for FluxTransformer2DModel, not SD3"):
+        enable_sequence_parallel(sd3, None, 2, spec=FluxAdapter.sequence_parallel)
 
 
 def test_padding_rules_of_the_families():

@@ -238,3 +238,20 @@ def test_the_family_check_finds_a_family_in_code(tmp_path) -> None:
 def test_engine_rollout_trainer_and_config_name_no_model_family() -> None:
     found = family_mentions()
     assert not found, "ask the adapter instead of naming its family:\n" + "\n".join(found)
+
+
+def test_the_engine_imports_no_adapter() -> None:
+    """The engine gets a family's declarations as inputs (``EngineDeclarations``): none of its
+    modules imports the registry (which imports every adapter) or an adapter module."""
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES
+
+    adapters = {path.partition(":")[0] for path in SUPPORTED_PIPELINES.values()}
+    banned = adapters | {"flowgrpo.models.registry", "flowgrpo.models"}
+    bad = sorted(
+        f"{mod} imports {dep}"
+        for mod, deps in graph().items()
+        if mod == "flowgrpo.engine" or mod.startswith("flowgrpo.engine.")
+        for dep in deps
+        if dep in banned
+    )
+    assert not bad, "\n".join(bad)

@@ -80,6 +80,27 @@ def _heads(config: dict[str, Any]) -> int | None:
     return None
 
 
+def _check_sp_declared(adapter: Any, pipeline: str, index: dict[str, Any]) -> None:
+    """ConfigError unless the family declares a sequence-parallel spec or each trained
+    component's diffusers class has a context-parallel plan (``_cp_plan``): what
+    ``enable_sequence_parallel`` needs, checked before any weight loads."""
+    if adapter.sequence_parallel is not None:
+        return
+    import importlib
+
+    for comp in adapter.trained_components(index):
+        entry = index.get(comp)
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
+            continue
+        klass = getattr(importlib.import_module("diffusers"), str(entry[1]), None)
+        if klass is not None and getattr(klass, "_cp_plan", None) is None:
+            raise ConfigError(
+                f"config key 'fsdp.sp_degree': {pipeline}'s {comp} ({entry[1]}) has no "
+                "context-parallel plan in diffusers and its family declares none: sequence "
+                "parallelism is not supported for it (fsdp.sp_degree=1)"
+            )
+
+
 def check_world(cfg: Any, world_size: int, label: str = "world size") -> None:
     """``world_size`` ranks against ``fsdp.replicate_degree`` x ``fsdp.sp_degree`` and the
     step's global batch (each data-parallel rank takes an equal share); ``label`` names the
@@ -139,6 +160,7 @@ def check_model_run(
             raise ConfigError(str(e)) from None
     sp = cfg.fsdp.sp_degree
     if sp > 1:
+        _check_sp_declared(adapter, pipeline, configs["model_index"])
         for comp in adapter.trained_components(configs["model_index"]):
             heads = _heads(config(comp))
             if heads is not None and heads % sp:

@@ -36,6 +36,7 @@ from flowgrpo.engine.ema import EMA, ParamShadow, local
 from flowgrpo.engine.parallelize import parallelize
 from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
+from flowgrpo.models.parallel import EngineDeclarations
 from flowgrpo.settings import check_section
 
 
@@ -82,8 +83,11 @@ class DiffusersFSDPEngine:
     fine-tune with a KL term; under LoRA the reference is the adapter switched off). A transformer
     built on the meta device (``load_pipeline(..., empty_trained=True)``) is wrapped and sharded
     there, then each rank's shards are read from its files (``flowgrpo.engine.load``), the
-    reference's too: no rank holds it whole. Attributes: ``transformer`` (the wrapped module, same object as adapter.transformer),
-    ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (updates finished),
+    reference's too: no rank holds it whole. ``declared``: what the family declares to the
+    engine (``EngineDeclarations``: LoRA targets, SP spec, FSDP blocks), as the trainer passes
+    it; None: ``adapter.engine_declarations()``. The engine imports no adapter and looks
+    nothing up by class. Attributes: ``transformer`` (the wrapped module, same object as
+    adapter.transformer), ``declared``, ``optimizer``, ``scheduler``, ``ema`` (or None), ``step`` (updates finished),
     ``optimizer_steps`` (applied updates), ``generator`` (shuffling; identical on all ranks).
     A checkpoint persists them through ``state_dict()`` / ``load_state_dict()``.
     """
@@ -95,6 +99,7 @@ class DiffusersFSDPEngine:
         dist: fdist.DistInfo | None = None,
         *,
         reference: bool = False,
+        declared: EngineDeclarations | None = None,
     ):
         self.adapter = adapter
         self.config = cfg = config if config is not None else EngineConfig()
@@ -105,7 +110,10 @@ class DiffusersFSDPEngine:
         self.component_classes = export.component_classes(model)  # before sharding renames
         self.use_lora = cfg.lora.enabled
         device = self.dist.device
-        par = parallelize(model, cfg, self.dist, adapter.lora_target_modules, reference=reference)
+        if declared is None:
+            declared = adapter.engine_declarations()
+        self.declared = declared
+        par = parallelize(model, cfg, self.dist, declared, reference=reference)
         self.param_dtype, self.reduce_dtype = par.param_dtype, par.reduce_dtype
         self.parallel = par.parallel  # the SP meshes when fsdp.sp_degree > 1
         self.mesh = par.mesh

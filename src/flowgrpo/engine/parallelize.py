@@ -24,22 +24,23 @@ from torch.distributed.fsdp import (
 
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.load import adapters_beside_meta, is_empty, materialize
+from flowgrpo.models.parallel import EngineDeclarations
 from flowgrpo.settings import resolve_dtype
 
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
 
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: modules whose class is in the model's
-    ``_no_split_modules``, else the members of its block lists (transformer_blocks, ...)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+def transformer_blocks(
+    model: nn.Module, block_classes: Sequence[str] | None = None
+) -> list[nn.Module]:
+    """The blocks to shard one by one: the modules of ``model`` whose class is one of
+    ``block_classes`` (the family's ``EngineDeclarations.fsdp_blocks``), None: of the model's
+    ``_no_split_modules`` (diffusers' declaration). ValueError naming the classes when a
+    declared list matches no module (a misspelt class would leave the model in one unit)."""
+    names = set(block_classes if block_classes is not None else ())
+    if block_classes is None:
+        names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    if blocks:
-        return blocks
-    for attr in _BLOCK_LISTS:
-        ml = getattr(model, attr, None)
-        if isinstance(ml, nn.ModuleList):
-            blocks.extend(ml)
+    if block_classes is not None and not blocks:
+        raise ValueError(f"fsdp_blocks {sorted(names)} name no module of {type(model).__name__}")
     return blocks
 
 
@@ -98,10 +99,12 @@ def shard(
     fsdp: Any,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
+    declared: EngineDeclarations,
 ) -> None:
-    """Sequence parallelism (when ``parallel`` is a ``ParallelMesh``), then ``fully_shard`` on
-    every block and on the root (the root's output in fp32), with the ``fsdp`` section's
-    offload and resharding; under SP, gradients summed over an SP group."""
+    """Sequence parallelism (when ``parallel`` is a ``ParallelMesh``: the family's declared
+    spec), then ``fully_shard`` on every declared block and on the root (the root's output in
+    fp32), with the ``fsdp`` section's offload and resharding; under SP, gradients summed over
+    an SP group."""
     block_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     root_mp = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32
@@ -114,9 +117,9 @@ def shard(
     if parallel is not None:  # after LoRA and checkpointing, before sharding
         from flowgrpo.engine.sp import enable_sequence_parallel
 
-        enable_sequence_parallel(model, parallel, fsdp.sp_degree)
+        enable_sequence_parallel(model, parallel, fsdp.sp_degree, spec=declared.sequence_parallel)
     kw = dict(mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward)
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model, declared.fsdp_blocks):
         fully_shard(block, mp_policy=block_mp, offload_policy=offload, **kw)
     fully_shard(model, mp_policy=root_mp, offload_policy=offload, **kw)
     if parallel is not None:  # SUM over an SP group, MEAN over data-parallel ranks
@@ -143,16 +146,17 @@ def parallelize(
     model: nn.Module,
     config: Any,
     dist: fdist.DistInfo,
-    default_targets: Sequence[str],
+    declared: EngineDeclarations,
     *,
     reference: bool = False,
 ) -> Parallelized:
     """Make ``model`` trainable and sharded, in place, from the ``lora`` and ``fsdp`` sections of
-    ``config`` (and its ``seed``): LoRA (``default_targets``: the adapter's), or every param for a
-    full fine-tune, whose ``reference`` is a frozen copy made first; fp32 masters for what
-    trains; activation checkpointing; meshes; SP and ``fully_shard``. A model built on the meta
-    device (``flowgrpo.engine.load``) is sharded there, then each rank's shards are read from
-    its files: no rank holds it whole. Collective."""
+    ``config`` (and its ``seed``) and what its family ``declared`` (LoRA targets, SP spec,
+    blocks): LoRA, or every param for a full fine-tune, whose ``reference`` is a frozen copy
+    made first; fp32 masters for what trains; activation checkpointing; meshes; SP and
+    ``fully_shard``. A model built on the meta device (``flowgrpo.engine.load``) is sharded
+    there, then each rank's shards are read from its files: no rank holds it whole.
+    Collective."""
     fs = config.fsdp
     device = dist.device
     param_dtype = resolve_dtype(fs.param_dtype, device)
@@ -166,7 +170,7 @@ def parallelize(
         ref_model = copy.deepcopy(model).requires_grad_(False)  # meta: no memory
     if config.lora.enabled:
         model.requires_grad_(False)
-        add_lora(model, config.lora, default_targets, config.seed, device)
+        add_lora(model, config.lora, declared.lora_targets, config.seed, device)
     else:
         model.requires_grad_(True)
     with torch.no_grad():  # fp32 master weights for everything that trains
@@ -179,9 +183,9 @@ def parallelize(
         model.enable_gradient_checkpointing()
 
     parallel, mesh = build_meshes(dist, fs)
-    shard(model, mesh, parallel, fs, param_dtype, reduce_dtype)
+    shard(model, mesh, parallel, fs, param_dtype, reduce_dtype, declared)
     if ref_model is not None:
-        shard(ref_model, mesh, parallel, fs, param_dtype, reduce_dtype)
+        shard(ref_model, mesh, parallel, fs, param_dtype, reduce_dtype, declared)
     if empty:
         init_device = "cpu" if fs.cpu_offload else device
         for m in (model, ref_model):

@@ -232,19 +232,26 @@ def enable_sequence_parallel(
     inputs: diffusers takes each rank's chunk itself. ``verify_inputs`` checks that on every
     forward (one small all-gather; for debugging).
 
-    ``spec``: the family's ``flowgrpo.models.parallel.SequenceParallelSpec`` (its adapter's
-    ``sequence_parallel``); None: the one a registered family declares for the transformer's
-    class (``flowgrpo.models.registry.sequence_parallel_of``). With a spec, the spec's plan and
-    attention processors are installed, text shorter than a multiple of sp is padded with
-    masked tokens (the result is the unpadded one) and image tokens must divide by sp (clear
-    error). Without one, diffusers' ``_cp_plan`` runs without padding: every split length must
-    divide by sp. Heads must divide by sp. A module holding several transformers (two experts)
+    ``spec``: the family's ``flowgrpo.models.parallel.SequenceParallelSpec``, as its adapter
+    declares it (``EngineDeclarations.sequence_parallel``; nothing is looked up from the
+    transformer's class); it must name a class of the transformer (``transformer_class``).
+    With a spec, the spec's plan and attention processors are installed, text shorter than a
+    multiple of sp is padded with masked tokens (the result is the unpadded one) and image
+    tokens must divide by sp (clear error). Without one (None), diffusers' ``_cp_plan`` runs
+    without padding: every split length must divide by sp. Heads must divide by sp. A module holding several transformers (two experts)
     names them in ``sequence_parallel_parts()``: each gets SP on the same mesh.
     """
     from diffusers import ContextParallelConfig
 
     if sp_degree == 1:
         return None
+    parts = getattr(transformer, "sequence_parallel_parts", None)
+    classes = {c.__name__ for c in type(transformer).__mro__}  # FSDP's subclasses match too
+    if spec is not None and spec.transformer_class not in classes and not callable(parts):
+        raise ValueError(
+            f"the sequence-parallel spec {spec.name!r} is for {spec.transformer_class}, not "
+            f"{type(transformer).__name__}: pass the spec its family declares"
+        )
     cp = mesh.cp if isinstance(mesh, ParallelMesh) else mesh
     if cp is None or tuple(cp.mesh_dim_names or ()) != ("ring", "ulysses"):
         raise ValueError(
@@ -256,7 +263,6 @@ def enable_sequence_parallel(
             f"the mesh has ring={cp['ring'].size()}, ulysses={cp['ulysses'].size()}; "
             f"expected ring=1, ulysses=sp_degree={sp_degree}"
         )
-    parts = getattr(transformer, "sequence_parallel_parts", None)
     if callable(parts):  # several transformers in one module (experts): each gets SP
         infos = [
             enable_sequence_parallel(p, cp, sp_degree, spec=spec, verify_inputs=verify_inputs)
@@ -269,13 +275,13 @@ def enable_sequence_parallel(
         return info
     if getattr(transformer, "_parallel_config", None) is not None:
         raise RuntimeError("parallelism is already enabled on this transformer (once per model)")
-    if spec is None:
-        from flowgrpo.models.registry import sequence_parallel_of
-
-        spec = sequence_parallel_of(transformer)
     plan = getattr(transformer, "_cp_plan", None) if spec is None else spec.cp_plan(transformer)
     if plan is None:
-        raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan)")
+        raise ValueError(
+            f"{type(transformer).__name__} has no context-parallel plan (_cp_plan) and its family "
+            "declares no sequence-parallel spec: sequence parallelism (fsdp.sp_degree > 1) is "
+            "not supported for it"
+        )
     attention = _attention_modules(transformer)
     heads = getattr(transformer.config, "num_attention_heads", None)
     if heads is None:  # a config that names them otherwise: the attention modules' count

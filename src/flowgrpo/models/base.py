@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from flowgrpo.models.layouts import SourceLayouts, encode_by_layout, forward_by_layout
+from flowgrpo.models.parallel import EngineDeclarations
 
 
 @dataclass
@@ -241,6 +242,9 @@ class DiffusionAdapter(ABC):
     #: what the engine's sequence parallelism needs of this family (``models/parallel.py``);
     #: None: diffusers' ``_cp_plan`` and processors, no padding (every split length divides)
     sequence_parallel: Any = None
+    #: class names of the modules FSDP shards one by one; None: the transformer's
+    #: ``_no_split_modules`` (diffusers' declaration of its repeated blocks)
+    fsdp_blocks: tuple[str, ...] | None = None
     #: loggers of the pipeline's prompt encoders that warn about truncated prompts (the
     #: trainer drops the warning when nothing but blanks was cut: ``trainer/quiet.py``)
     truncation_loggers: tuple[str, ...] = ()
@@ -261,6 +265,13 @@ class DiffusionAdapter(ABC):
         return ("transformer",)
 
     # -- what the engine and trainer need to know ------------------------------------------
+    def engine_declarations(self) -> EngineDeclarations:
+        """What this family declares to the engine: its LoRA targets, SP spec and FSDP blocks
+        (the trainer passes them as ``DiffusersFSDPEngine(declared=)``)."""
+        return EngineDeclarations(
+            tuple(self.lora_target_modules), self.sequence_parallel, self.fsdp_blocks
+        )
+
     @property
     def transformer(self) -> torch.nn.Module:
         return self.pipe.transformer
@@ -545,6 +556,7 @@ class DiffusionAdapter(ABC):
 __all__ = [
     "CFG_GRAD_MODES",
     "DiffusionAdapter",
+    "EngineDeclarations",
     "PromptEmbeds",
     "Schedule",
     "SourceLayouts",

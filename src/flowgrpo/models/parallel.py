@@ -1,12 +1,13 @@
-"""What a family tells the engine's sequence parallelism (``flowgrpo.engine.sp``).
+"""What a family tells the engine: ``EngineDeclarations`` (its LoRA targets, its sequence-
+parallel spec, its FSDP blocks), which the trainer passes to the engine as an input
+(``DiffusersFSDPEngine(declared=)``): the engine imports no adapter and names no family.
 
-diffusers declares a transformer's context-parallel plan on the model class (``_cp_plan``); a
-family declares the rest here, as a ``SequenceParallelSpec`` its adapter class exposes
-(``DiffusionAdapter.sequence_parallel``): the plan when diffusers has none, the attention
-processors that take part in context parallelism, how many image tokens a hidden-state tensor
-holds, and how text shorter than a multiple of sp is padded so that the result stays the
-unpadded one. The engine finds the spec from the transformer's class
-(``flowgrpo.models.registry.sequence_parallel_of``) and names no family.
+Sequence parallelism (``flowgrpo.engine.sp``): diffusers declares a transformer's context-
+parallel plan on the model class (``_cp_plan``); a family declares the rest here, as a
+``SequenceParallelSpec`` its adapter class exposes (``DiffusionAdapter.sequence_parallel``):
+the plan when diffusers has none, the attention processors that take part in context
+parallelism, how many image tokens a hidden-state tensor holds, and how text shorter than a
+multiple of sp is padded so that the result stays the unpadded one.
 
 Two padding rules exist: the transformer's own text mask (``text_mask_kwarg``: zeros appended
 to it), or a full-length key mask ``text_key_mask`` [B, L] (True = real token) passed through
@@ -15,6 +16,7 @@ to it), or a full-length key mask ``text_key_mask`` [B, L] (True = real token) p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -112,4 +114,25 @@ class SequenceParallelSpec:
         return kwargs
 
 
-__all__ = ["TEXT_KEY_MASK", "SequenceParallelSpec", "local_chunk", "pad_tokens"]
+@dataclass(frozen=True)
+class EngineDeclarations:
+    """What a family declares to the engine (``DiffusionAdapter.engine_declarations``).
+
+    lora_targets: peft ``target_modules`` when the config's ``lora.target_modules`` is null;
+    sequence_parallel: the family's ``SequenceParallelSpec``, or None: diffusers' ``_cp_plan``
+    and processors, no padding (every split length must divide by sp); fsdp_blocks: class
+    names of the modules FSDP shards one by one, or None: the transformer's
+    ``_no_split_modules`` (diffusers' declaration of its repeated blocks)."""
+
+    lora_targets: tuple[str, ...] = ()
+    sequence_parallel: SequenceParallelSpec | None = None
+    fsdp_blocks: tuple[str, ...] | None = None
+
+
+__all__ = [
+    "TEXT_KEY_MASK",
+    "EngineDeclarations",
+    "SequenceParallelSpec",
+    "local_chunk",
+    "pad_tokens",
+]

@@ -31,6 +31,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "QwenImageEditPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditAdapter",
     "QwenImageEditPlusPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditPlusAdapter",
     "FluxKontextPipeline": "flowgrpo.models.flux_kontext:FluxKontextAdapter",
+    "ChromaPipeline": "flowgrpo.models.chroma:ChromaAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
@@ -53,6 +54,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
     "flux-kontext-counting": ("FluxKontextPipeline",),
     "sd3-geneval": ("StableDiffusion3Pipeline",),
     "sd3-vlm-judge": ("StableDiffusion3Pipeline",),
+    "chroma-pickscore": ("ChromaPipeline",),
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
@@ -75,6 +77,7 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("hunyuan-video15-pickscore", "hunyuan-video-1.5-480p-t2v", []),
     ("flux-kontext-counting", "flux.1-kontext-dev", []),
     ("qwen-image-edit-counting", "qwen-image-edit", []),
+    ("chroma-pickscore", "chroma1-hd", []),
 ]
 
 
@@ -187,18 +190,6 @@ def family_options() -> set[str]:
 def adapter_classes() -> list[Any]:
     """Every registered adapter class, in ``SUPPORTED_PIPELINES`` order (imports them)."""
     return [import_adapter(path) for path in dict.fromkeys(SUPPORTED_PIPELINES.values())]
-
-
-def sequence_parallel_of(transformer: Any) -> Any:
-    """The ``SequenceParallelSpec`` (models/parallel.py) a registered family declares for the
-    class of ``transformer`` (or a base class: FSDP's subclasses match), or None: then
-    diffusers' own ``_cp_plan`` and processors apply, with no padding."""
-    names = {cls.__name__ for cls in type(transformer).__mro__}
-    for adapter_cls in adapter_classes():
-        spec = getattr(adapter_cls, "sequence_parallel", None)
-        if spec is not None and spec.transformer_class in names:
-            return spec
-    return None
 
 
 def build_adapter(pipe: Any, **kwargs: Any) -> Any:

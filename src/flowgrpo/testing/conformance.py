@@ -16,6 +16,8 @@ The checks, each a function taking a ``Family`` (and what it builds):
   kernels are batch-size invariant, so other splits stay exact too, except Qwen-Image, which
   re-pads a micro-batch's text to its own longest prompt (measured max 2.3e-4 sde, 8.1e-5
   cps); GPUs' GEMMs also depend on the batch shape (docs/math.md);
+- ``check_checkpointing_gradients``: with activation checkpointing the training pass gives
+  the same velocity and gradients (the checkpointed call takes every input);
 - ``check_lora_targets``: every LoRA target names modules of the transformer, all linear;
 - ``check_lora_export``: the engine's LoRA export loads in the stock pipeline and gives the
   trained velocity (< 1e-5).
@@ -251,6 +253,45 @@ def check_lora_targets(fam: Family, pipe: Any) -> set[str]:
     wrapped = {n for n, m in model.named_modules() if hasattr(m, "lora_A")}
     assert wrapped, f"{fam.kind}: no module wrapped"
     return wrapped
+
+
+def check_checkpointing_gradients(fam: Family, pipe: Any) -> float:
+    """The training pass with activation checkpointing on (``fsdp.activation_checkpointing``:
+    diffusers' ``enable_gradient_checkpointing``) gives the velocity and the gradients of the
+    pass without it: the checkpointed call must take every input the plain call does (Chroma's
+    single blocks lose the text mask otherwise). Guidance on, fp32; returns the worst gradient
+    difference relative to the largest gradient (0 when the transformer cannot checkpoint)."""
+    adapter = fam.adapter(pipe, cfg=True)
+    model = copy.deepcopy(adapter.transformer)
+    if not getattr(model, "_supports_gradient_checkpointing", False):
+        return 0.0
+    prompts = list(fam.prompts[:2])
+    g = fam.guidance
+    embeds, negative = adapter.encode(
+        prompts, [fam.negative] * 2, guidance_scale=g, images=fam.source_images(prompts)
+    )
+    h, w = fam.size
+    x = _initial_latents(fam, adapter, 2, (h, w), seed=5)
+    sigma = torch.tensor([0.8, 0.4])
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+
+    def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        v = adapter.velocity(model, x, sigma, embeds, negative, guidance_scale=g, height=h, width=w)
+        (v * weight).sum().backward()
+        return v.detach(), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+
+    v_plain, plain = grads()
+    model.enable_gradient_checkpointing()
+    v_ckpt, ckpt = grads()
+    assert set(ckpt) == set(plain), f"{fam.kind}: checkpointing changes what gets a gradient"
+    assert_tensors_close(v_ckpt, v_plain, 0.0, f"{fam.kind} velocity with checkpointing")
+    scale = max(float(t.abs().max()) for t in plain.values())
+    worst = max(float((ckpt[n] - plain[n]).abs().max()) for n in plain) / scale
+    assert worst <= 1e-6, f"{fam.kind}: checkpointed gradients differ by {worst:.2e} (relative)"
+    return worst
 
 
 def check_lora_export(fam: Family, tmp_path: Path) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
+from flowgrpo.models.sd3 import SD3Adapter
 from flowgrpo.testing.tiny import kinds, tiny_pipeline, tiny_size
 
 __all__ = [
@@ -34,6 +35,7 @@ class TinyAdapter(DiffusionAdapter):
     the text encoder and VAE of ``tiny_pipeline("sd3")`` would only cost time."""
 
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out")
+    sequence_parallel = SD3Adapter.sequence_parallel  # an SD3 transformer: SD3's spec
 
     def __init__(self, seed: int = 0):
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel

@@ -254,6 +254,8 @@ class ToyAdapter(DiffusionAdapter):
         "add_v_proj",
         "to_add_out",
     )
+    #: its transformer is an SD3 one: SD3's sequence-parallel spec (processors, padding)
+    sequence_parallel = SD3Adapter.sequence_parallel
 
     def __init__(self, pipe: Any):
         super().__init__(pipe)

@@ -95,14 +95,17 @@ def prepare_prompt_cache(
 
 def build_engine(cfg: Any, adapter: Any, dist: DistInfo) -> tuple[Any, Any]:
     """(engine, algorithm): the engine reads its sections (lora, optim, fsdp, ema, seed) from
-    the run config itself and keeps a reference copy when the algorithm needs one; the
-    algorithm (``cfg.algorithm``) reads its own section."""
+    the run config itself, gets what the family declares (LoRA targets, SP spec, FSDP blocks)
+    from the adapter and keeps a reference copy when the algorithm needs one; the algorithm
+    (``cfg.algorithm``) reads its own section."""
     from flowgrpo.algorithms import algorithm_class
     from flowgrpo.engine.engine import DiffusersFSDPEngine
 
     algo_cls = algorithm_class(cfg.algorithm)
     reference = algo_cls.needs_reference(getattr(cfg, cfg.algorithm))
-    engine = DiffusersFSDPEngine(adapter, cfg, dist, reference=reference)
+    engine = DiffusersFSDPEngine(
+        adapter, cfg, dist, reference=reference, declared=adapter.engine_declarations()
+    )
     return engine, algo_cls(cfg, engine, adapter)
 
 
