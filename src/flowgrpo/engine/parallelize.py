@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
 
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.load import adapters_beside_meta, is_empty, materialize
+from flowgrpo.engine.quant import base_quant, check_mode, quantize_frozen
 from flowgrpo.settings import resolve_dtype
 
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
@@ -148,11 +149,12 @@ def parallelize(
     reference: bool = False,
 ) -> Parallelized:
     """Make ``model`` trainable and sharded, in place, from the ``lora`` and ``fsdp`` sections of
-    ``config`` (and its ``seed``): LoRA (``default_targets``: the adapter's), or every param for a
-    full fine-tune, whose ``reference`` is a frozen copy made first; fp32 masters for what
-    trains; activation checkpointing; meshes; SP and ``fully_shard``. A model built on the meta
-    device (``flowgrpo.engine.load``) is sharded there, then each rank's shards are read from
-    its files: no rank holds it whole. Collective."""
+        ``config`` (and its ``seed``): LoRA (``default_targets``: the adapter's), or every param for a
+        full fine-tune, whose ``reference`` is a frozen copy made first; fp32 masters for what
+        trains; activation checkpointing; meshes; SP and ``fully_shard``. ``model.base_quant``
+    (nf4/int8, LoRA only) stores the frozen base's Linear weights quantized (``engine.quant``). A model built on the meta
+        device (``flowgrpo.engine.load``) is sharded there, then each rank's shards are read from
+        its files: no rank holds it whole. Collective."""
     fs = config.fsdp
     device = dist.device
     param_dtype = resolve_dtype(fs.param_dtype, device)
@@ -164,9 +166,12 @@ def parallelize(
     ref_model: nn.Module | None = None
     if not config.lora.enabled and reference:  # LoRA's reference is the adapter switched off
         ref_model = copy.deepcopy(model).requires_grad_(False)  # meta: no memory
+    quant = base_quant(config)
+    check_mode(quant, config.lora.enabled)
     if config.lora.enabled:
         model.requires_grad_(False)
         add_lora(model, config.lora, default_targets, config.seed, device)
+        quantize_frozen(model, quant)  # model.base_quant: the frozen base's codes (meta: empty)
     else:
         model.requires_grad_(True)
     with torch.no_grad():  # fp32 master weights for everything that trains
