@@ -49,14 +49,17 @@ NF4_CODE = (
     0.7229568362236023,
     1.0,
 )
-_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _nf4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codebook, the midpoints between neighbouring codes) as fp32 tensors on ``device``."""
+def _nf4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codebook, the midpoints between neighbouring codes, each byte's two code values
+    [256, 2]) as fp32 tensors on ``device``."""
     if device not in _TABLES:
         code = torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
-        _TABLES[device] = code, (code[:-1] + code[1:]) / 2
+        byte = torch.arange(256, device=device)
+        pairs = torch.stack((code[byte >> 4], code[byte & 0xF]), dim=-1)
+        _TABLES[device] = code, (code[:-1] + code[1:]) / 2, pairs
     return _TABLES[device]
 
 
@@ -116,11 +119,9 @@ def dequantize(
     """The weight ``quantize`` coded, in ``dtype`` (computed in fp32, then cast)."""
     if mode == "int8":
         return (codes.float() * (scale.float() / 127.0)).to(dtype)
-    rows = codes.shape[0]
-    code = _nf4_tables(codes.device)[0]
-    q = torch.stack((codes >> 4, codes & 0xF), dim=-1).reshape(rows, -1).int()
-    blocks = scale.shape[1]
-    w = code[q].reshape(rows, blocks, NF4_BLOCK) * scale.float().unsqueeze(-1)
+    rows, blocks = codes.shape[0], scale.shape[1]
+    pairs = _nf4_tables(codes.device)[2]  # one lookup a byte: its two codes' values
+    w = pairs[codes.int()].reshape(rows, blocks, NF4_BLOCK) * scale.float().unsqueeze(-1)
     return w.reshape(rows, blocks * NF4_BLOCK)[:, :in_features].to(dtype)
 
 
