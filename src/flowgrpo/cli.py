@@ -230,6 +230,18 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
             else:
                 which = "the EMA weights, which eval measures; --raw for the raw weights"
             print(f"wrote {what} ({which}) to {path}")
+            quant = cfg.model.base_quant
+            if quant != "none":
+                print(
+                    f"note: the policy was trained on the {quant}-quantized base (model.base_quant"
+                    f"={quant}); "
+                    + (
+                        "the transformer written holds that dequantized base, LoRA merged"
+                        if args.full
+                        else "the LoRA is for the unquantized base (model.path), which it "
+                        "meets slightly differently than in training"
+                    )
+                )
 
     return _in_process_group(cfg, job)
 

@@ -52,6 +52,30 @@ def test_bf16_engine_first_update_sees_ratio_one(dist1, mode):
     assert metrics["optimizer_steps"] == 1.0 and metrics["samples_trained"] == 4.0
 
 
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_bf16_quantized_base_first_update_sees_ratio_one(dist1, quant):
+    """``model.base_quant``: the rollout and the update run the same quantized base (the
+    transformer's frozen Linear layers and the text encoders), so the first optimizer step
+    recomputes every log-prob exactly: |log r| = 0 at the rollout's split."""
+    from flowgrpo.engine.quant import QuantLinear, quantize_text_encoders
+
+    pipe = tiny_pipeline("sd3").to(dtype=torch.bfloat16)
+    assert quantize_text_encoders(pipe, quant) > 0
+    adapter = SD3Adapter(pipe, max_sequence_length=8)
+    cfg = tm.make_config("lora", **{"update.micro_batch_size": 4, "base_quant": quant})
+    cfg.fsdp.param_dtype = "bf16"
+    engine = tm.engine_for(adapter, cfg)
+    assert sum(isinstance(m, QuantLinear) for m in engine.model.modules()) > 20
+    with torch.no_grad():
+        traj = _rollout(adapter, engine.transformer)
+    metrics = tm.train_step(engine, traj, ADVANTAGES)
+    assert metrics["approx_kl"] == 0.0 and metrics["approx_kl_k2"] == 0.0, metrics
+    assert metrics["clipfrac"] == 0.0
+    assert abs(metrics["ratio_mean"] - 1.0) < 1e-12
+    assert metrics["kl"] == 0.0  # the reference (adapter off) runs the same quantized base
+    assert metrics["optimizer_steps"] == 1.0 and metrics["samples_trained"] == 4.0
+
+
 def _engine_grads(engine, traj, adv) -> list[torch.Tensor]:
     """The gradient the engine's loss gives (one micro-batch, every trained step)."""
     from torch.distributed.tensor import DTensor

@@ -469,6 +469,12 @@ class Config:
         if self.sample.use_ema_for_rollout:
             e = self.ema.enabled
             need(e, "ema.enabled", "true with sample.use_ema_for_rollout=true", e)
+        if self.model.base_quant != "none" and not self.lora.enabled:
+            raise ConfigError(
+                f"config key 'model.base_quant' is {self.model.base_quant} but lora.enabled="
+                "false: a quantized base is frozen, so only a LoRA run trains on it; set "
+                "lora.enabled=true or model.base_quant=none"
+            )
         algorithm_class(self.algorithm).check_config(self)  # what the algorithm cannot honour
 
 

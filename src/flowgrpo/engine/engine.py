@@ -34,6 +34,7 @@ from flowgrpo.engine import export
 from flowgrpo.engine.config import EngineConfig
 from flowgrpo.engine.ema import EMA, ParamShadow, local
 from flowgrpo.engine.parallelize import parallelize
+from flowgrpo.engine.quant import base_quant
 from flowgrpo.errors import TrainingDiverged
 from flowgrpo.models.base import DiffusionAdapter
 from flowgrpo.models.parallel import EngineDeclarations
@@ -463,7 +464,9 @@ class DiffusersFSDPEngine:
         by the module (``lora_file_name``)."""
         if not self.use_lora:
             raise ValueError("export_lora needs lora.enabled; use save_full for a full fine-tune")
-        return export.export_lora(self.model, type(self.adapter.pipe), self.dist, path)
+        quant = base_quant(self.config)
+        note = None if quant == "none" else {"flowgrpo_trained_on_base_quant": quant}
+        return export.export_lora(self.model, type(self.adapter.pipe), self.dist, path, note)
 
     def save_full(self, path: str | Path) -> Path:
         """``save_pretrained`` of the full transformer (LoRA merged into the base weights), so

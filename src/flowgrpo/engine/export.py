@@ -59,7 +59,13 @@ def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str,
     return get_model_state_dict(model, options=opts)
 
 
-def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: str | Path) -> Path:
+def export_lora(
+    model: nn.Module,
+    pipe_cls: type,
+    dist: fdist.DistInfo,
+    path: str | Path,
+    note: dict[str, str] | None = None,
+) -> Path:
     """Write the LoRA of ``model`` (peft, adapter "default") as diffusers'
     ``pytorch_lora_weights.safetensors`` (with the peft config as adapter metadata) that
     ``pipe.load_lora_weights(dir)`` loads; ``pipe_cls``: the pipeline's class, whose
@@ -67,7 +73,8 @@ def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: st
     same ``transformer.*`` keys, which ``pipe.transformer.load_lora_adapter(file,
     prefix="transformer")`` loads). ``path`` is a directory, or a file name ending in
     .safetensors. Collective. Returns the file. A module of several components writes each
-    one's file (``lora_file_name``) beside it."""
+    one's file (``lora_file_name``) beside it. ``note``: extra safetensors metadata (a LoRA
+    trained on a quantized base says so: it is written for the unquantized base)."""
     path = Path(path)
     folder, name = (
         (path.parent, path.name)
@@ -99,9 +106,22 @@ def export_lora(model: nn.Module, pipe_cls: type, dist: fdist.DistInfo, path: st
                 LoraBaseMixin._save_lora_weights(
                     folder, {"transformer": layers}, {"transformer": meta}, weight_name=weight_name
                 )
+            if note:
+                add_metadata(folder / weight_name, note)
             readable_by_all(folder / weight_name)
     fdist.barrier()
     return folder / name
+
+
+def add_metadata(file: Path, note: dict[str, str]) -> None:
+    """Rewrite the safetensors ``file`` with ``note`` added to its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(file), metadata={**meta, **note})
 
 
 def save_full(
@@ -119,6 +139,9 @@ def save_full(
     path = Path(path)
     state = full_state_dict(model)
     if dist.is_main:
+        from flowgrpo.engine.quant import dequantize_state
+
+        state = dequantize_state(model, state)  # model.base_quant: the base it trained on
         if lora:
             state = merge_lora(state, model.peft_config["default"])
         split = getattr(model, "split_state_dict", None)  # a module of several components

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flowgrpo.engine.ema import local
+from flowgrpo.engine.quant import QuantLinear, quantize
 from flowgrpo.models.weights import (  # noqa: F401 - re-exported: the loading API in one place
     INDEX_NAME,
     ST_DTYPES,
@@ -115,6 +116,12 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     of each tensor is read, cast file dtype -> load dtype -> parameter dtype. Parameters
     that were not on the meta device (new LoRA layers) and all buffers keep their values."""
     sources = _sources(model)
+    quantized = {  # model.base_quant: QuantLinear codes, quantized from this rank's rows
+        f"{name}.{leaf}": (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLinear)
+        for leaf in ("weight_q", "weight_scale")
+    }
     kept = {n: local(p).clone() for n, p in model.named_parameters() if not p.is_meta}
     buffers = [(model.get_submodule(n.rpartition(".")[0]), n) for n, _ in model.named_buffers()]
     buffers = [(m, n.rpartition(".")[2], m._buffers[n.rpartition(".")[2]]) for m, n in buffers]
@@ -128,6 +135,10 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
             if name in kept:
                 shard.copy_(kept[name])
                 continue
+            if name in quantized:
+                if name.endswith(".weight_q"):  # weight_scale: filled with its codes
+                    _load_quantized(model, *quantized[name], sources, handles, stack)
+                continue
             wf, key = file_key(name, sources)
             stored = wf.stored[key]
             if shard.numel() == 0:
@@ -139,6 +150,32 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 raise NotImplementedError(f"{name}: only dim-0 shards are read ({region})")
             value = stored.read(handles[stored.path], region[0] if p.ndim else None)
             shard.copy_(value.to(wf.dtypes[key]))
+
+
+def _load_quantized(
+    model: nn.Module,
+    name: str,
+    module: QuantLinear,
+    sources: list[tuple[str, WeightFiles]],
+    handles: dict[Path, BinaryIO],
+    stack: ExitStack,
+) -> None:
+    """Fill ``module``'s shard of codes and scales: this rank's rows of the file's weight,
+    cast file dtype -> load dtype, quantized (the rows of the whole weight's codes)."""
+    codes, scale = local(module.weight_q), local(module.weight_scale)
+    region = local_region(module.weight_q)[0]
+    if region != local_region(module.weight_scale)[0]:
+        raise NotImplementedError(f"{name}: codes and scales sharded apart")
+    if codes.shape[0] == 0:
+        return
+    wf, key = file_key(f"{name}.weight", sources)
+    stored = wf.stored[key]
+    if stored.path not in handles:
+        handles[stored.path] = stack.enter_context(open(stored.path, "rb"))
+    rows = stored.read(handles[stored.path], region).to(wf.dtypes[key])
+    q, s = quantize(rows, module.mode)
+    codes.copy_(q)
+    scale.copy_(s)
 
 
 def move_components(pipe: Any, device: torch.device) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
 
 from flowgrpo.engine import dist as fdist
 from flowgrpo.engine.load import adapters_beside_meta, is_empty, materialize
+from flowgrpo.engine.quant import base_quant, check_mode, quantize_frozen
 from flowgrpo.models.parallel import EngineDeclarations
 from flowgrpo.settings import resolve_dtype
 
@@ -154,7 +155,8 @@ def parallelize(
     ``config`` (and its ``seed``) and what its family ``declared`` (LoRA targets, SP spec,
     blocks): LoRA, or every param for a full fine-tune, whose ``reference`` is a frozen copy
     made first; fp32 masters for what trains; activation checkpointing; meshes; SP and
-    ``fully_shard``. A model built on the meta device (``flowgrpo.engine.load``) is sharded
+    ``fully_shard``. ``model.base_quant`` (nf4/int8, LoRA only) stores the frozen base's
+    Linear weights quantized (``engine.quant``). A model built on the meta device (``flowgrpo.engine.load``) is sharded
     there, then each rank's shards are read from its files: no rank holds it whole.
     Collective."""
     fs = config.fsdp
@@ -168,9 +170,12 @@ def parallelize(
     ref_model: nn.Module | None = None
     if not config.lora.enabled and reference:  # LoRA's reference is the adapter switched off
         ref_model = copy.deepcopy(model).requires_grad_(False)  # meta: no memory
+    quant = base_quant(config)
+    check_mode(quant, config.lora.enabled)
     if config.lora.enabled:
         model.requires_grad_(False)
         add_lora(model, config.lora, declared.lora_targets, config.seed, device)
+        quantize_frozen(model, quant)  # model.base_quant: the frozen base's codes (meta: empty)
     else:
         model.requires_grad_(True)
     with torch.no_grad():  # fp32 master weights for everything that trains

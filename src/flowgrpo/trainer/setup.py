@@ -45,6 +45,10 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
         raise ValueError("model.path is required: a local diffusers directory or builtin:NAME")
     # the trained transformer(s) stay on the meta device: the engine loads each rank's shards
     pipe = load_pipeline(m.path, torch_dtype=dtype, empty_trained=True)
+    if m.base_quant != "none" and cfg.lora.enabled:  # the frozen text encoders, as the base
+        from flowgrpo.engine.quant import quantize_text_encoders
+
+        quantize_text_encoders(pipe, m.base_quant)
     if dist.device.type != "cpu":
         move_components(pipe, dist.device)
     family, defaults = family_options(), type(m)()
