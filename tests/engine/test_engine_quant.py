@@ -258,7 +258,7 @@ def test_text_encoders_quantized_and_deterministic():
     (by the quantization error) and are the same on every build."""
     from flowgrpo.engine.quant import quantize_text_encoders
     from flowgrpo.models.sd3 import SD3Adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     embeds = []
     for mode in ("none", "int8", "int8"):
