@@ -237,8 +237,8 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     from flowgrpo.config import load_config
-    from flowgrpo.config.memory import GB, format_plan, plan_memory
-    from flowgrpo.config.memory_advice import cheapest_fit, suggestions
+    from flowgrpo.planner import GIB, format_plan, plan_memory
+    from flowgrpo.planner.advice import cheapest_fit, suggestions
 
     if args.gpus <= 0:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
@@ -247,7 +247,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     preset, overrides = split_config_args(args.config_args)
     cfg = load_config(preset, overrides, check_paths=False)
     if not cfg.model.path:  # the preset's own model (its shipped config set), said so
-        from flowgrpo.config.memory import preset_model
+        from flowgrpo.planner import preset_model
 
         own = preset_model(cfg.preset)
         if own is not None:
@@ -269,7 +269,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                 extra, other = found
                 print(
                     f"none fits alone; the cheapest combination that fits: {' '.join(extra)}: "
-                    f"{other.total / GB:.1f} GB"
+                    f"{other.total / GIB:.1f} GiB"
                 )
     return 0
 
@@ -409,7 +409,13 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument("--gpu-gb", type=float, required=True, metavar="G", help="memory per GPU, GB")
+    p.add_argument(
+        "--gpu-gb",
+        type=float,
+        required=True,
+        metavar="G",
+        help="memory per GPU, GiB (the card's, as nvidia-smi gives it / 1024)",
+    )
     p.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="dtype rule of `auto` (cuda)"
     )
