@@ -2,7 +2,8 @@
 modules import each other in no circle — counting imports inside functions too.
 
 Layers from the bottom: settings and errors; algo and data; models and rollout; rewards; the
-toy (a model and a reward, above what it uses); engine; algorithms; config; trainer; cli. Registries name
+toy (a model and a reward, above what it uses); engine; algorithms; config and the memory
+planner beside it; trainer; cli. Registries name
 what sits above them by import path strings ("flowgrpo.toy.pipeline:ToyAdapter"), which is not
 an import.
 """

@@ -21,8 +21,8 @@ fsdp.replicate_degree ranks:
 - the CUDA context, cuBLAS workspace and NCCL buffers (``CUDA_OVERHEAD_MIB``, measured);
 - activations of one training micro-batch from each block's Linear widths x the tokens each
   Linear sees (AdaLN modulation on one vector; cross-attended text at the prompt's tokens;
-  a trimmed prompt at ``TYPICAL_PROMPT_TOKENS``; a masked attention's N^2 mask, and on the
-  math path its N^2 probabilities per block), calibrated on CPU measurements
+  a trimmed prompt at ``TYPICAL_PROMPT_TOKENS``; no N^2 for a masked attention: torch's SDPA
+  keeps none with the families' [B, 1, 1, S] masks), calibrated on CPU measurements
   (``ACT_PER_WIDTH``), plus ``FRAGMENTATION`` of them on a GPU;
 - the rollout: this rank's trajectories (fp32 latents of the trained steps, which the
   algorithm says: ``Algorithm.trained_steps``), the no-grad forward of ``rollout_batch_size``,
@@ -85,7 +85,10 @@ MARGIN = 0.1
 #: NF4Tensor stores it: 4 bits, an int8 scale per block of 64 and an fp32 factor per 256
 #: of those scales (double quantization); int8 weight-only: 1 byte (+ a scale per row)
 QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
-_TEXT_MARKERS = ("add_", "context", "txt", "attn2.to_k", "attn2.to_v", "text")
+_TEXT_MARKERS = ("add_", "context", "txt", "text")
+#: a second attention's keys and values: cross-attention to the text where the family has no
+#: joint text (Wan), else a second self-attention over the image tokens (SD3.5's dual blocks)
+_SECOND_KV = ("attn2.to_k", "attn2.to_v")
 
 
 # -- the transformer's shape ---------------------------------------------------------------------
@@ -96,8 +99,9 @@ class TransformerShape:
     params: int
     buffers: int
     lora_params: int
-    #: (block list, params, image width, text width, modulation width, attention heads)
-    blocks: list[tuple[str, int, int, int, int, int]]
+    #: (block list, params, image width, text width, modulation width, attention heads,
+    #: second attention's key/value width)
+    blocks: list[tuple[str, int, int, int, int, int, int]]
     hidden: int
     linear: tuple[int, int] = (0, 0)  # Linear weight elements, output rows
 
@@ -145,12 +149,14 @@ def transformer_shape(model: Any, lora_targets: list[str] | str, rank: int) -> T
             lora += rank * (mod.in_features + mod.out_features)
     blocks = []
     for kind, block in _blocks(model):
-        img = txt = modw = heads = 0
+        img = txt = modw = heads = kv2 = 0
         for name, mod in block.named_modules():
             if isinstance(mod, torch.nn.Linear):
                 width = mod.in_features + mod.out_features
                 if _is_modulation(name):
                     modw += width
+                elif any(m in name for m in _SECOND_KV):
+                    kv2 += width
                 elif any(m in name for m in _TEXT_MARKERS) and kind != "single_transformer_blocks":
                     txt += width
                 else:
@@ -158,7 +164,7 @@ def transformer_shape(model: Any, lora_targets: list[str] | str, rank: int) -> T
             h = getattr(mod, "heads", None)
             if isinstance(h, int) and not heads:
                 heads = h
-        blocks.append((kind, numel(block), img, txt, modw, heads))
+        blocks.append((kind, numel(block), img, txt, modw, heads, kv2))
     cfg = model.config
     if "num_attention_heads" in cfg and "attention_head_dim" in cfg:
         hidden = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
@@ -364,23 +370,22 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     sp = fs.sp_degree
     coef = ACT_PER_WIDTH["lora" if lora else "full"]
     seq = img + txt
-    masked = adapter_cls.prompt_trimmed  # a padded batch's joint attention carries a mask
+    # a trimmed prompt is padded within its batch and masked: Qwen-Image's joint mask is
+    # [B, 1, 1, S], with which torch's SDPA keeps no N^2 tensor (on the CPU the saved tensors
+    # of a masked and an unmasked call are the same bytes; CUDA's memory-efficient kernel
+    # takes it): no N^2 term while no family's attention falls back to the math path
     per_block = []
     for s in shapes:
-        for k, _, iw, tw, mw, heads in s.blocks:
+        for k, _, iw, tw, mw, _heads, kv2 in s.blocks:
             single = k.startswith("single")
             tok_img = img + (txt if single else 0)
             tok_txt = txt if not single else 0
-            width = iw * tok_img + tw * (tok_txt or cross) + mw
-            b = coef * cbytes * width
-            if masked and device == "cpu":  # the math path keeps each block's N^2 probabilities
-                b += max(heads, 1) * seq * seq * cbytes
-            per_block.append(b / sp)
-    mask_bytes = seq * seq * cbytes if masked else 0.0  # the additive mask, once per forward
+            width = iw * tok_img + tw * (tok_txt or cross) + mw + kv2 * (cross or img)
+            per_block.append(coef * cbytes * width / sp)
     mb = cfg.update.micro_batch_size * rows
     hidden = max(s.hidden for s in shapes)
-    act_full = mb * (sum(per_block) + mask_bytes)
-    act_ckpt = mb * (len(per_block) * seq * hidden * cbytes / sp + max(per_block) + mask_bytes)
+    act_full = mb * sum(per_block)
+    act_ckpt = mb * (len(per_block) * seq * hidden * cbytes / sp + max(per_block))
     frag = 1.0 + (FRAGMENTATION if device == "cuda" else 0.0)
     use_ckpt = fs.activation_checkpointing
     parts["activations"] = frag * (act_ckpt if use_ckpt else act_full)
@@ -398,7 +403,6 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     )
     rollout_act = frag * (
         ROLLOUT_ACT_FACTOR * s.rollout_batch_size * rows * seq * hidden * cbytes / sp
-        + s.rollout_batch_size * rows * mask_bytes
     )
     # every rank of an SP group samples its group's samples alike (the whole trajectories);
     # the decoded images / videos go to the host (the adapters' decode returns them on CPU,
