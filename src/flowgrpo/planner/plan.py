@@ -62,7 +62,7 @@ GB = GIB  # the unit printed (GiB); kept under its old name for callers
 #: grad). Fitted to the 1-rank CPU (fp32) measurements of a small SD3 (4 blocks of width 256,
 #: 64 px, micro-batch 2 with CFG) in tests/config/test_memory_planner.py, with the AdaLN
 #: modulation Linears counted on their one vector: least squares over the 1- and 2-rank runs
-#: (measured 132.2 / 125 MiB LoRA, 326 / 270 MiB full with KL).
+#: (measured 132.2 / 124.4 MiB LoRA, 326.2 / 271.8 MiB full with KL; planned within 9%).
 ACT_PER_WIDTH = {"full": 1.37, "lora": 0.74}
 #: the rollout's no-grad forward keeps about this many of the largest activations alive
 ROLLOUT_ACT_FACTOR = 4.0
