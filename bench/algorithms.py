@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TARGET = 0.95  # judge accuracy
+REFILL = "sample.refill_rounds=2"  # a refill row's setting (its steps cost what they sample)
 SEEDS = (0, 1, 2)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,6 +57,25 @@ ROWS = (
     Row("nft_tuned", "nft", (), "tuned on the toy (preset): 3 noise levels, KL 0.01"),
     Row("awm", "awm"),
     Row("flow_dppo", "flow_dppo"),
+    Row("dpo", "dpo", (), "authors': pairs sampled by the reference (base), beta 100"),
+    Row(
+        "dpo_policy",
+        "dpo",
+        ("dpo.rollout_policy=policy",),
+        "online: pairs sampled by the current policy, beta 100",
+    ),
+    Row(
+        "flow_grpo_refill",
+        "flow_grpo",
+        (REFILL,),
+        "Flow-GRPO + refill: constant groups resampled, 2 rounds, <= 10 extra groups a step",
+    ),
+    Row(
+        "nft_tuned_refill",
+        "nft",
+        (REFILL,),
+        "nft_tuned + refill: constant groups resampled, 2 rounds, <= 10 extra groups a step",
+    ),
 )
 ALGORITHMS = tuple(r.key for r in ROWS)  # the table's rows, in order
 
@@ -81,14 +101,16 @@ def read_run(out: Path) -> dict[str, object]:
     from flowgrpo.trainer.logging import read_jsonl
 
     rows, evals = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "eval.jsonl")
-    clock, wall, samples = {0: 0.0}, {0: 0.0}, {0: 0}
+    clock, wall, samples, extra = {0: 0.0}, {0: 0.0}, {0: 0}, {0: 0}
     for r in rows:  # training CPU time, wall time and images up to each step
         clock[r["step"]] = clock[r["step"] - 1] + r["time/step_cpu_s"]
         wall[r["step"]] = wall[r["step"] - 1] + r["time/step_s"]
-        samples[r["step"]] = r["samples"]
+        samples[r["step"]] = r["samples"]  # with refill's extra samples
+        extra[r["step"]] = extra[r["step"] - 1] + int(r.get("refill/samples", 0))
     curve = [
         {
             "step": e["step"],
+            "extra_samples": extra[e["step"]],
             "train_s": clock[e["step"]],  # until finish() times it by the quiet step
             "cpu_s": clock[e["step"]],
             "wall_s": wall[e["step"]],
@@ -104,38 +126,61 @@ def read_run(out: Path) -> dict[str, object]:
 
 def quiet_step_s(row: Row, out: Path, steps: int = 5) -> float:
     """The median CPU time of steps 2..``steps`` of a short run of ``row`` (evals only at
-    steps 0 and last, outside the steps' time)."""
+    steps 0 and last, outside the steps' time). A refill row is measured without refill (its
+    steps' cost varies with what they resample: ``sample_s`` prices the extra samples)."""
+    return quiet_costs(row, out, steps)[0]
+
+
+def quiet_costs(row: Row, out: Path, steps: int = 5) -> tuple[float, float]:
+    """(``quiet_step_s``, the CPU time of one sample's rollout and reward in those steps: the
+    step's CPU time x the rollout's and reward's share of its wall time / the samples)."""
     from flowgrpo.trainer.logging import read_jsonl
 
     args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", f"algorithm={row.algorithm}"]
     args += [f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0"]
     args += ["run.tensorboard=false", "run.progress_bar=false", "run.num_threads=1"]
     args += [f"run.output_dir={out}", "data.eval_samples_per_prompt=1", *row.overrides]
+    if REFILL in row.overrides:
+        args.append("sample.refill_rounds=0")
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     child = subprocess.run(args, env=env, capture_output=True, text=True)
     if child.returncode:
         raise RuntimeError(f"{row.key}: exit {child.returncode}: {child.stderr[-2000:]}")
-    times = [r["time/step_cpu_s"] for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
-    return statistics.median(times)
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
+    per_sample = [
+        r["time/step_cpu_s"] * (r["time/rollout_s"] + r["time/reward_s"]) / r["time/step_s"]
+        / (r["samples"] / r["step"])
+        for r in rows
+    ]  # fmt: skip
+    return statistics.median(r["time/step_cpu_s"] for r in rows), statistics.median(per_sample)
 
 
 def calibrate(rows: tuple[Row, ...], rounds: int = 2) -> dict[str, float]:
     """Each row's per-step time on a quiet machine: the least of ``rounds`` rounds over every
-    row (rounds interleave the rows, so a burst of other work hits one measurement of each)."""
+    row (rounds interleave the rows, so a burst of other work hits one measurement of each);
+    a refill row also gets ``<key>/sample_s``, the price of one extra sample (that round's)."""
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             for row in rows:
-                t = quiet_step_s(row, Path(tmp) / f"{row.key}_{i}")
-                best[row.key] = min(best.get(row.key, t), t)
+                t, per_sample = quiet_costs(row, Path(tmp) / f"{row.key}_{i}")
+                if t < best.get(row.key, float("inf")):
+                    best[row.key] = t
+                    if REFILL in row.overrides:
+                        best[f"{row.key}/sample_s"] = per_sample
     return best
 
 
-def with_step_cost(curve: list[dict], step_s: float) -> list[dict]:
-    """``curve`` with ``train_s`` = step x the row's quiet per-step time (the runs' measured
-    CPU time kept as ``cpu_s``)."""
+def with_step_cost(curve: list[dict], step_s: float, sample_s: float = 0.0) -> list[dict]:
+    """``curve`` with ``train_s`` = step x the row's quiet per-step time + its extra (refill)
+    samples so far x their quiet price (the runs' measured CPU time kept as ``cpu_s``)."""
     return [
-        {**c, "cpu_s": c.get("cpu_s", c["train_s"]), "train_s": c["step"] * step_s} for c in curve
+        {
+            **c,
+            "cpu_s": c.get("cpu_s", c["train_s"]),
+            "train_s": c["step"] * step_s + c.get("extra_samples", 0) * sample_s,
+        }
+        for c in curve
     ]
 
 
@@ -231,14 +276,17 @@ def bench_algorithms(
         for row in rows:
             if only and row.key not in only:
                 kept = (previous or {}).get("runs", {}).get(row.key)
-                if kept is None:
-                    raise ValueError(f"--rows: no earlier results for row {row.key!r}: run it too")
+                if kept is None:  # a row added since, never measured: left out of this table
+                    print(f"algorithms: {row.key} has no earlier results: left out (train it "
+                          "with --rows)", file=sys.stderr, flush=True)  # fmt: skip
+                    continue
                 runs[row.key] = kept
                 continue
             runs[row.key] = [
                 run_one(row, s, Path(tmp) / f"{row.key}_{s}", steps, every) for s in seeds
             ]
             print(f"algorithms: {row.key} done", file=sys.stderr, flush=True)
+    rows = tuple(r for r in rows if r.key in runs)
     return finish(runs, calibrate(rows, rounds=1 if quick else 2), rows, seeds, steps, every)
 
 
@@ -253,7 +301,10 @@ def finish(
     """The results: each run's curve timed by its row's quiet per-step time, the summary over
     the seeds (the common budget: the shortest last step of all), and the best row."""
     runs = {
-        key: [summarize_run(with_step_cost(r["curve"], step_s[key])) for r in seeds_]
+        key: [
+            summarize_run(with_step_cost(r["curve"], step_s[key], step_s.get(f"{key}/sample_s", 0)))
+            for r in seeds_
+        ]
         for key, seeds_ in runs.items()
     }
     budget = min(r["train_s"] for seeds_ in runs.values() for r in seeds_)

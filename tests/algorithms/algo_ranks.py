@@ -10,10 +10,14 @@ import torch
 from flowgrpo.algorithms import ALGORITHMS as REGISTERED
 from flowgrpo.testing.compare import full_trainable
 from flowgrpo.testing.conformance import FAMILIES, family
+from flowgrpo.testing.families import core
 from flowgrpo.testing.ranks import rank_env
 
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])
+# dpo trains pairs (+1 winner, -1 loser of one prompt): both pairs cross the 2 ranks' split
+DPO_PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 1", "a handwritten 2"]
+DPO_TAGS = torch.tensor([1.0, -1.0, -1.0, 1.0])
 # every family of the conformance suite, at its training size (videos: 5 frames = 2 latent)
 # (FLOWGRPO_TEST_KINDS=a,b narrows a local run to those families; CI runs every one)
 _ONLY = {k for k in os.environ.get("FLOWGRPO_TEST_KINDS", "").split(",") if k}
@@ -71,12 +75,16 @@ def run(
     from flowgrpo.engine import init_distributed
     from flowgrpo.models import build_adapter
     from flowgrpo.rollout import sample_trajectories
-    from flowgrpo.trainer.setup import build_engine, sample_seed
+    from flowgrpo.trainer.seeds import sample_seed
+    from flowgrpo.trainer.setup import build_engine
 
     cfg = config(algorithm, kind, mode, **over)
     dist = init_distributed()
     adapter = build_adapter(pipeline(kind), **family(kind).train_options, **frames_option(kind))
     engine, algo = build_engine(cfg, adapter, dist)
+    prompts = PROMPTS
+    if algorithm == "dpo" and advantages is ADVANTAGES:
+        prompts, advantages = DPO_PROMPTS, DPO_TAGS
     share = len(PROMPTS) // world
     mine = list(range(rank * share, (rank + 1) * share))
     plan = algo.rollout_plan(1)
@@ -84,7 +92,7 @@ def run(
     with torch.no_grad(), algo.rollout_weights():
         traj = sample_trajectories(
             adapter,
-            [PROMPTS[i] for i in mine],
+            [prompts[i] for i in mine],
             num_steps=plan.num_steps,
             guidance_scale=plan.guidance_scale,
             noise_level=plan.noise_level,
@@ -131,19 +139,18 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
 
 
 # CI time decides the matrix (each case trains 1 process and 2 ranks): every family under
-# Flow-GRPO, LoRA and full; every algorithm on the families the first ones were written with
-# (the toy, SD3, FLUX, Qwen-Image, Wan2.2's two experts). Wan2.1 runs Flow-GRPO only (Wan2.2
-# runs the same transformer class as two experts). A family's or an algorithm's whole row
+# Flow-GRPO, LoRA and full; every algorithm on the families of the "core" cost tier (their test
+# doubles say so: the toy, SD3, FLUX, Qwen-Image, Wan2.2's two experts). Wan2.1 runs Flow-GRPO
+# only (Wan2.2 runs the same transformer class as two experts). A family's or an algorithm's whole row
 # (against the algorithms / families registered then) was run once when it was added (the
 # closing notes; FLOWGRPO_TEST_ALGORITHMS=NAME FLOWGRPO_TEST_ROWS=all runs it).
-EVERY_ALGORITHM = ("toy", "sd3", "flux", "qwen_image", "wan22")
 _ALL_ROWS = os.environ.get("FLOWGRPO_TEST_ROWS") == "all"
 CASES = [
     (a, k, m)
     for a in ALGORITHMS
     for k in KINDS
     for m in ("lora", "full")
-    if a == "flow_grpo" or k in EVERY_ALGORITHM or _ALL_ROWS
+    if a == "flow_grpo" or core(k) or _ALL_ROWS
 ]
 
 

@@ -56,7 +56,7 @@ CLIP = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_at
 
 
 def save_small_pipeline(root: Path) -> Path:
-    from flowgrpo.models import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     path = root / "small-sd3"
     if not (path / "model_index.json").is_file():

@@ -59,6 +59,7 @@ def test_the_package_is_described_as_image_and_video_with_four_algorithms():
     names["nft"] = "DiffusionNFT"
     names["awm"] = "Advantage Weighted Matching"
     names["flow_dppo"] = "Flow-DPPO"
+    names["dpo"] = "Diffusion-DPO"
     assert set(names) == set(ALGORITHMS)
     for text in (description, intro):
         assert "image" in text and "video" in text, text

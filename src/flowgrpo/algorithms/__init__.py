@@ -15,6 +15,7 @@ ALGORITHMS: dict[str, str] = {
     "nft": "flowgrpo.algorithms.nft:DiffusionNFT",
     "awm": "flowgrpo.algorithms.awm:AWM",
     "flow_dppo": "flowgrpo.algorithms.flow_dppo:FlowDPPO",
+    "dpo": "flowgrpo.algorithms.dpo:DPO",
 }
 #: what ``algorithm`` is unless a preset or an override says otherwise
 DEFAULT_ALGORITHM = "flow_grpo"

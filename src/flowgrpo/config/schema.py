@@ -215,6 +215,18 @@ class SampleConfig:
         "its reward differences come from the SDE noise alone (MixGRPO's --init_same_noise, "
         "Flow-GRPO's sample.same_latent).",
     )
+    refill_rounds: int = setting(
+        0,
+        "Rounds per step that replace constant groups (all rewards equal: no advantage) by "
+        "freshly sampled ones, DAPO's dynamic sampling (docs/algorithms.md); 0 = off.",
+        check=ge(0, " (0 = off)"),
+    )
+    refill_max_groups: int | None = setting(
+        None,
+        "Extra groups a step may sample for refill, over all its rounds; null = "
+        "`prompts_per_step` (a step samples at most twice its groups).",
+        check=optional(ge(1)),
+    )
     time_shift: float | None = setting(
         None,
         "Training rollouts on the fixed grid sigma = s t / (1 + (s - 1) t), t = linspace(1, 0, "
