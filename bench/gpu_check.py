@@ -168,7 +168,7 @@ def activations(device: str, dry: bool) -> dict[str, Any]:
     """Weights and fwd+bwd allocator peaks of real-size transformers, frozen weights."""
     import diffusers
 
-    from flowgrpo.config.memory import read_model_configs
+    from flowgrpo.planner import read_model_configs
 
     results: dict[str, Any] = {}
     dtype = torch.bfloat16

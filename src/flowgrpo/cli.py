@@ -248,8 +248,8 @@ def _cmd_export_lora(args: argparse.Namespace) -> int:
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     from flowgrpo.config import load_config
-    from flowgrpo.config.memory import GB, format_plan, plan_memory
-    from flowgrpo.config.memory_advice import cheapest_fit, suggestions
+    from flowgrpo.planner import GIB, format_plan, plan_memory
+    from flowgrpo.planner.advice import cheapest_fit, fits_line, suggestions
 
     if args.gpus <= 0:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
@@ -258,7 +258,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     preset, overrides = split_config_args(args.config_args)
     cfg = load_config(preset, overrides, check_paths=False)
     if not cfg.model.path:  # the preset's own model (its shipped config set), said so
-        from flowgrpo.config.memory import preset_model
+        from flowgrpo.planner import preset_model
 
         own = preset_model(cfg.preset)
         if own is not None:
@@ -267,20 +267,22 @@ def _cmd_memory(args: argparse.Namespace) -> int:
             print(f"model.path not given: planning the preset's model, {' '.join(own)}")
     plan = plan_memory(cfg, args.gpus, args.gpu_gb, device=args.device)
     print(format_plan(plan, f"{cfg.preset} ({cfg.model.path})"))
+    print(fits_line(preset, overrides, args.gpus))
     if not plan.fits or plan.tight:
         lines = suggestions(preset, overrides, plan, device=args.device)
         print("settings that shrink it (each alone):" if lines else "no single setting shrinks it")
         for line in lines:
             print("  " + line)
-        if not plan.fits and not any(line.endswith(", fits") for line in lines):
+        if not plan.fits:  # the cheapest knobs by KNOB_COST (planner.advice), alone or not
             found = cheapest_fit(preset, overrides, plan, device=args.device)
             if found is None:
                 print("no combination of these settings fits (up to 8x the GPUs)")
             else:
                 extra, other = found
+                alone = any(line.endswith(", fits") for line in lines)
                 print(
-                    f"none fits alone; the cheapest combination that fits: {' '.join(extra)}: "
-                    f"{other.total / GB:.1f} GB"
+                    f"{'' if alone else 'none fits alone; '}the cheapest combination that fits: "
+                    f"{' '.join(extra)}: {other.total / GIB:.1f} GiB"
                 )
     return 0
 
@@ -420,7 +422,13 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
-    p.add_argument("--gpu-gb", type=float, required=True, metavar="G", help="memory per GPU, GB")
+    p.add_argument(
+        "--gpu-gb",
+        type=float,
+        required=True,
+        metavar="G",
+        help="memory per GPU, GiB (the card's, as nvidia-smi gives it / 1024)",
+    )
     p.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="dtype rule of `auto` (cuda)"
     )

@@ -48,7 +48,11 @@ BASE = [
 CONFIGS = {  # name -> extra overrides
     "lora": ["lora.enabled=true", "lora.rank=8", "flow_grpo.kl_beta=0.0"],
     "full-kl": ["lora.enabled=false", "flow_grpo.kl_beta=0.04"],
+    # a CLIP reward model on the device (a small CLIPModel saved beside the pipeline)
+    "lora-clip": ["lora.enabled=true", "lora.rank=8", "flow_grpo.kl_beta=0.0"],
 }
+#: a small CLIP (2 x 2 layers of width 512): its 13M fp32 parameters are a visible share
+CLIP = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8)
 
 
 def save_small_pipeline(root: Path) -> Path:
@@ -57,15 +61,40 @@ def save_small_pipeline(root: Path) -> Path:
     path = root / "small-sd3"
     if not (path / "model_index.json").is_file():
         tiny_pipeline("sd3", **SMALL_SD3).save_pretrained(path)
+    save_small_clip(root / "small-clip")
     (root / "prompts.txt").write_text("a red cat\na blue dog\na green bird\na tall tree\n")
     # the toy's settings on an SD3 folder: a preset of our own (toy-digits refuses SD3 folders)
     (root / "preset.yaml").write_text("base: toy-digits\n")
     return path
 
 
+def save_small_clip(path: Path) -> None:
+    """A CLIPModel (and a character tokenizer) the clip_score reward loads from ``path``."""
+    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
+
+    if (path / "config.json").is_file():
+        return
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in "abcdefghijklmnopqrstuvwxyz0123456789":
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(path)
+    text = dict(CLIP, vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=0,
+                eos_token_id=1, pad_token_id=1)  # fmt: skip
+    vision = dict(CLIP, image_size=64, patch_size=8)
+    torch.manual_seed(0)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=64)
+    ).save_pretrained(path)
+
+
 def overrides(root: Path, name: str) -> list[str]:
+    reward = []
+    if name == "lora-clip":
+        reward = ["reward=clip_score:1.0", f"reward.clip_score.options.path={root / 'small-clip'}"]
     return [
         *BASE,
+        *reward,
         *CONFIGS[name],
         f"model.path={root / 'small-sd3'}",
         f"data.train_prompts={root / 'prompts.txt'}",
@@ -153,7 +182,7 @@ def measure(root: Path, name: str, world: int) -> float:
 
 def planned(root: Path, name: str, world: int) -> float:
     from flowgrpo.config import load_config
-    from flowgrpo.config.memory import plan_memory
+    from flowgrpo.planner import plan_memory
 
     cfg = load_config(str(root / "preset.yaml"), overrides(root, name), check_paths=False)
     return plan_memory(cfg, world, 1.0, device="cpu").total

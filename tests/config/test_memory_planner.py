@@ -13,7 +13,7 @@ import torch
 
 from flowgrpo import cli
 from flowgrpo.config import load_config
-from flowgrpo.config.memory import GB, known_models, plan_memory, read_model_configs
+from flowgrpo.planner import GB, known_models, plan_memory, read_model_configs
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +113,15 @@ def test_text_encoder_sizes_and_the_cache_setting():
     qwen = ["model.path=known:qwen-image"]
     cfg = load_config("qwen-image-ocr", qwen, check_paths=False)
     plan = plan_memory(cfg, 8, 80)
-    assert plan.parts["frozen text encoders"] / GB == pytest.approx(16.6, abs=0.1)  # bf16
+    assert plan.parts["frozen text encoders"] / GB == pytest.approx(
+        16.6e9 / 2**30, abs=0.1
+    )  # bf16, GiB
     free = ["model.embed_cache_dir=/tmp/x", "model.text_encoder_offload=free"]
     cfg = load_config("qwen-image-ocr", [*qwen, *free], check_paths=False)
     assert plan_memory(cfg, 8, 80).parts["frozen text encoders"] == 0
     cfg = load_config("wan-t2v-ocr", ["model.path=known:wan2.1-t2v-1.3b"], check_paths=False)
     assert plan_memory(cfg, 8, 80).parts["frozen text encoders"] / GB == pytest.approx(
-        11.4, abs=0.1
+        11.4e9 / 2**30, abs=0.1
     )
 
 
@@ -159,7 +161,10 @@ def test_cli_prints_parts_verdict_and_what_to_turn(capsys):
         "EMA",
         "frozen",
         "activations",
-        "rollout buffers",
+        "trajectories",
+        "reward models",
+        "CUDA context",
+        "peak: training",
         "total",
     ):
         assert part in out
@@ -201,15 +206,15 @@ def test_a_model_folder_without_configs_is_one_line(capsys, tmp_path):
 
 def test_the_banner_line_is_the_planners_total_or_absent():
     from flowgrpo.config import load_config
-    from flowgrpo.config.memory import GB, plan_memory, planned_line
+    from flowgrpo.planner import GB, plan_memory, planned_line
     from flowgrpo.trainer.logging import startup_banner
 
     cfg = load_config(
         "flux-pickscore", ["model.path=known:flux.1-dev", "lora.enabled=false"], check_paths=False
     )
-    total = plan_memory(cfg, 1, 80.0).total / GB
+    total = plan_memory(cfg, 1, 80e9 / 2**30).total / GB  # the trainer gives 10^9-byte GB
     line = planned_line(cfg, 1, "cuda", 80.0)
-    assert line.startswith(f"  memory     planned {total:.1f} GB per rank of 80 GB (may NOT fit")
+    assert line.startswith(f"  memory     planned {total:.1f} GiB per rank of 75 GiB (may NOT fit")
     assert "(fits;" in planned_line(cfg, 1, "cuda", 1e6)
     toy = load_config(None, [])
     assert planned_line(toy, 1, "cpu", 24.0) is None  # the built-in toy has no component configs
@@ -378,7 +383,7 @@ def test_train_refuses_them_with_the_planners_line(
     tmp_path, monkeypatch, preset, model, overrides, gpus, culprit
 ):
     from flowgrpo.config import ConfigError
-    from flowgrpo.config.memory import plan_memory
+    from flowgrpo.planner import plan_memory
 
     if gpus > 64:  # torchrun cannot start 10^12 ranks; the layout check is the same function
         gpus = 7
@@ -421,12 +426,12 @@ def test_no_model_path_plans_the_presets_own_model(capsys):
 def test_when_nothing_fits_alone_it_names_the_cheapest_combination(capsys):
     over = ["model.path=known:flux.2-dev", "lora.enabled=false", "lora.target_modules=null"]
     code, out, _ = _cli(capsys, "flux2-pickscore", *over, "--gpus", "8", "--gpu-gb", "80")
-    assert code == 0 and "does NOT fit: 208.1 GB" in out and ", fits" not in out
+    assert code == 0 and "does NOT fit: 233.4 GiB" in out and ", fits" not in out
     line = next(x for x in out.splitlines() if "cheapest combination that fits" in x)
     settings = line.split("fits: ", 1)[1].rsplit(":", 1)[0].split()
     assert settings == ["fsdp.activation_checkpointing=true", "fsdp.cpu_offload=true"]
     plan = plan_memory(load_config("flux2-pickscore", [*over, *settings], check_paths=False), 8, 80)
-    assert plan.fits and f"{plan.total / GB:.1f} GB" in line
+    assert plan.fits and f"{plan.total / GB:.1f} GiB" in line
     for alone in settings:  # and neither alone fits
         cfg = load_config("flux2-pickscore", [*over, alone], check_paths=False)
         assert not plan_memory(cfg, 8, 80).fits
@@ -451,7 +456,7 @@ def test_decoded_videos_are_host_memory_and_sp_keeps_each_groups_samples(capsys)
         plan = plan_memory(cfg, 8, 80)
         local = 48 * 24 // (8 // sp)  # samples per data-parallel rank
         assert plan.parts["(host: decoded images)"] == local * per_video
-        latents = plan.parts["rollout buffers"] - per_video  # one decoded at a time (batch 1)
+        latents = plan.parts["trajectories"]  # the decoded videos wait on the host
         assert 0 < latents < local * 0.2 * GB
         assert plan.total < plan.parts["(host: decoded images)"]
     code, out, _ = _cli(
@@ -459,16 +464,16 @@ def test_decoded_videos_are_host_memory_and_sp_keeps_each_groups_samples(capsys)
     )
     for knob in ("sample.prompts_per_step=24", "sample.group_size=12", "--gpus 16"):
         assert knob in out
-    assert "1542 GB per node of 8 GPUs" in out  # 8 x 192.7 GB of decoded videos on the host
+    assert "1436 GiB per node of 8 GPUs" in out  # 8 x 192.7e9 B of decoded videos on the host
 
 
 def test_a_tight_fit_warns():
-    from flowgrpo.config.memory import USABLE, format_plan
+    from flowgrpo.planner import format_plan
 
     cfg = load_config("sd3-ocr", ["model.path=known:sd3.5-medium"], check_paths=False)
     total = plan_memory(cfg, 8, 80).total / GB
     for share, warned in ((0.99, True), (0.8, False)):
-        plan = plan_memory(cfg, 8, total / share / USABLE)
+        plan = plan_memory(cfg, 8, total / share)
         text = format_plan(plan, "t")
         assert plan.fits and ("warning: tight" in text) == warned
 

@@ -77,8 +77,8 @@ def test_bad_source_size_and_too_small_images_are_one_line_errors(pipe):
 def test_the_planner_counts_the_source_tokens():
     """FLUX.1-Kontext-dev at 512²: 1024 noised tokens + 4096 of a ~1024² source (the
     pipeline's rule), or + 1024 with source_size 512 (the preset)."""
-    from flowgrpo.config.memory import read_model_configs
     from flowgrpo.models.flux_kontext import FluxKontextAdapter
+    from flowgrpo.planner import read_model_configs
 
     configs = read_model_configs("known:flux.1-kontext-dev")
     assert FluxKontextAdapter.token_counts(configs, 512, 512, {}).image == 1024 + 4096

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
-from flowgrpo.rollout import Trajectory
+from flowgrpo.rollout import Trajectory, trained_step_count
 from flowgrpo.settings import between, ge, gt, need, one_of, setting
 
 # -- the math -----------------------------------------------------------------------------------
@@ -339,6 +339,22 @@ class AWM(Algorithm):
         super().__init__(cfg, engine, adapter)
         self.ema_policy = engine.shadow(SHADOW)  # created now so that checkpoints restore it
 
+    @classmethod
+    def rollout_guidance_scale(cls, cfg) -> float:
+        """Rollouts sample at ``awm.guidance_scale``."""
+        return cfg.awm.guidance_scale
+
+    @classmethod
+    def trained_steps(cls, cfg) -> int:
+        """The whole trajectory: no window, every stochastic step (``rollout_plan``)."""
+        s = cfg.sample
+        return trained_step_count(
+            s.num_steps,
+            window_size=None,
+            timestep_fraction=1.0,
+            deterministic_last_step=s.deterministic_last_step,
+        )
+
     def rollout_plan(self, step: int) -> RolloutPlan:
         plan = super().rollout_plan(step)
         plan.noise_level, plan.sde_window, plan.timestep_fraction = (
@@ -346,7 +362,6 @@ class AWM(Algorithm):
             None,
             1.0,
         )
-        plan.guidance_scale = self.settings.guidance_scale
         plan.ode_solver = self.settings.ode_solver
         return plan
 

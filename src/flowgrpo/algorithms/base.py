@@ -23,7 +23,7 @@ import torch
 
 from flowgrpo.algo.advantages import CombinedRewards, combine_rewards
 from flowgrpo.algo.time_shift import time_shift_grid
-from flowgrpo.rollout import SDEWindow, Trajectory
+from flowgrpo.rollout import SDEWindow, Trajectory, trained_step_count
 from flowgrpo.settings import ge, setting
 
 
@@ -110,6 +110,25 @@ class Algorithm(ABC):
         a = self.cfg.advantage
         return combine_rewards(rewards, weights, group_ids, mode=a.mode, global_std=a.global_std)
 
+    @classmethod
+    def rollout_guidance_scale(cls, cfg: Any) -> float:
+        """The guidance scale its training rollouts sample at (``rollout_plan``'s): the sample
+        section's; the memory planner asks it whether a sample runs two CFG rows."""
+        return cfg.sample.guidance_scale
+
+    @classmethod
+    def trained_steps(cls, cfg: Any) -> int:
+        """K, the most steps of one sample a training rollout records for the update (what
+        ``rollout_plan`` hands the sampler; ``rollout.trained_step_count``): the memory
+        planner counts the trajectories' latents with it."""
+        s = cfg.sample
+        return trained_step_count(
+            s.num_steps,
+            window_size=s.window_size if s.window_size > 0 else None,
+            timestep_fraction=s.timestep_fraction,
+            deterministic_last_step=s.deterministic_last_step,
+        )
+
     def rollout_plan(self, step: int) -> RolloutPlan:
         """The training rollout of ``step`` (1-based): the sample section as it is (on the
         fixed-shift grid with ``sample.time_shift``)."""
@@ -120,7 +139,7 @@ class Algorithm(ABC):
         grid = None if s.time_shift is None else time_shift_grid(s.num_steps, s.time_shift)
         return RolloutPlan(
             num_steps=s.num_steps,
-            guidance_scale=s.guidance_scale,
+            guidance_scale=self.rollout_guidance_scale(self.cfg),
             noise_level=s.noise_level,
             sde_type=s.sde_type,
             sde_window=window,

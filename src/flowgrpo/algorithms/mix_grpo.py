@@ -219,6 +219,18 @@ class MixGRPO(FlowGRPO):
         """The SDE window [start, end) of training step ``step`` (1-based)."""
         return window_at(self.cfg, step)
 
+    @classmethod
+    def trained_steps(cls, cfg) -> int:
+        """The largest SDE window of the run's steps (``window_at``; it moves every
+        ``shift_interval`` steps, as ``check_schedule`` walks it)."""
+        s, last = cfg.mix_grpo, cfg.trainer.max_steps
+        moves = min((last - 1) // s.shift_interval, cfg.sample.num_steps)
+        sizes = [
+            end - start
+            for start, end in (window_at(cfg, m * s.shift_interval + 1) for m in range(moves + 1))
+        ]
+        return max(1, *sizes)
+
     def rollout_plan(self, step: int) -> RolloutPlan:
         plan = super().rollout_plan(step)
         start, end = self.window(step)

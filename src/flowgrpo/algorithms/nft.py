@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
-from flowgrpo.rollout import Trajectory
+from flowgrpo.rollout import Trajectory, trained_step_count
 from flowgrpo.settings import ge, gt, need, one_of, optional, setting
 
 # -- the math: optimality probability, forward noising, the loss, the old policy's decay -------
@@ -298,10 +298,25 @@ class DiffusionNFT(Algorithm):
         super().__init__(cfg, engine, adapter)
         self.old = engine.shadow(SHADOW)  # created now so that checkpoints restore it
 
+    @classmethod
+    def rollout_guidance_scale(cls, cfg) -> float:
+        """Rollouts sample at ``nft.guidance_scale``."""
+        return cfg.nft.guidance_scale
+
+    @classmethod
+    def trained_steps(cls, cfg) -> int:
+        """The whole trajectory: no window, every stochastic step (``rollout_plan``)."""
+        s = cfg.sample
+        return trained_step_count(
+            s.num_steps,
+            window_size=None,
+            timestep_fraction=1.0,
+            deterministic_last_step=s.deterministic_last_step,
+        )
+
     def rollout_plan(self, step: int) -> RolloutPlan:
         plan = super().rollout_plan(step)
         plan.noise_level, plan.sde_window, plan.timestep_fraction = 0.0, None, 1.0
-        plan.guidance_scale = self.settings.guidance_scale
         plan.ode_solver = self.settings.ode_solver
         return plan
 

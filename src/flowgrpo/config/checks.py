@@ -116,6 +116,17 @@ def check_world(cfg: Any, world_size: int, label: str = "world size") -> None:
         raise ConfigError(str(e).replace(f"world size {world_size}", label)) from None
 
 
+def check_prompt_cache(edits: bool, embed_cache_dir: Any) -> None:
+    """An editing family's prompt embeddings depend on each sample's source images, so they
+    are not cached: ``model.embed_cache_dir`` with one is refused (the trainer's prompt cache
+    setup and the planner ask this one function)."""
+    if edits and embed_cache_dir:
+        raise ConfigError(
+            "model.embed_cache_dir: an editing model's prompt embeddings depend on each "
+            "sample's source images, so they are not cached; unset model.embed_cache_dir"
+        )
+
+
 def check_model_run(
     cfg: Any, configs: dict[str, Any], *, world_size: int | None = None, label: str = "world size"
 ) -> None:
@@ -152,6 +163,7 @@ def check_model_run(
                 f"takes: {', '.join(sorted(takes)) or 'none'}): unset it"
             )
 
+    check_prompt_cache(getattr(adapter, "edits", False), m.embed_cache_dir)
     check_options = getattr(adapter, "check_options", None)
     if check_options is not None:
         try:

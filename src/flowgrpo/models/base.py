@@ -211,7 +211,7 @@ def vae_scale(vae_config: dict) -> int:
 
 @dataclass(frozen=True)
 class TokenCounts:
-    """One sample's sizes as the memory planner (``flowgrpo.config.memory``) counts them."""
+    """One sample's sizes as the memory planner (``flowgrpo.planner``) counts them."""
 
     image: int  # image (video) tokens in the transformer's sequence
     text: int  # text tokens in the joint sequence (0: the text is cross-attended)
@@ -253,6 +253,10 @@ class DiffusionAdapter(ABC):
     #: ``encode_prompts(prompts, images, sources=)`` turns into conditioning (``PromptEmbeds``'s
     #: ``image_latents``); a text-to-image family takes none
     edits: bool = False
+    #: the pipeline trims each batch's prompt embeddings to its longest prompt (else they are
+    #: padded to ``max_sequence_length``) and masks the padding in attention: the memory
+    #: planner sizes the text at a typical prompt, not the maximum, and counts the mask
+    prompt_trimmed: bool = False
 
     def __init__(self, pipe: Any):
         self.pipe = pipe

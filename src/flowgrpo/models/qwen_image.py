@@ -76,6 +76,8 @@ class QwenImageAdapter(DiffusionAdapter):
     #: what the Flow-GRPO Qwen-Image reference passes as negative prompt when none is given
     default_negative_prompt = " "
 
+    prompt_trimmed = True  # encode_prompt pads to the batch's longest prompt, with a mask
+
     def __init__(self, pipe: Any, *, max_sequence_length: int = 512):
         super().__init__(pipe)
         if max_sequence_length > 1024:

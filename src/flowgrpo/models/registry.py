@@ -58,7 +58,7 @@ PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
 }
 #: the shipped presets, the real models they are written for (config sets in
 #: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
-#: docs/memory.md's table (``flowgrpo.config.memory_advice.docs_table``)
+#: docs/memory.md's tables (``flowgrpo.planner.advice``)
 PRESET_MODELS: list[tuple[str, str, list[str]]] = [
     ("qwen-image-ocr", "qwen-image", []),
     ("flux-pickscore", "flux.1-dev", []),

@@ -5,7 +5,15 @@ from flowgrpo.rollout.sampler import (
     Trajectory,
     policy_step,
     sample_trajectories,
+    trained_step_count,
     trajectory_log_prob,
 )
 
-__all__ = ["SDEWindow", "Trajectory", "policy_step", "sample_trajectories", "trajectory_log_prob"]
+__all__ = [
+    "SDEWindow",
+    "Trajectory",
+    "policy_step",
+    "sample_trajectories",
+    "trained_step_count",
+    "trajectory_log_prob",
+]

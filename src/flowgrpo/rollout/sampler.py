@@ -220,6 +220,29 @@ def step_from_velocity(
     return SDEStepOutput(prev, logp, mean, std)
 
 
+def trained_step_count(
+    num_steps: int,
+    *,
+    window_size: int | None,
+    timestep_fraction: float,
+    deterministic_last_step: bool,
+) -> int:
+    """K, the steps of one sample that a rollout of ``num_steps`` records for training: the
+    window's size, else the first ``timestep_fraction`` of the stochastic steps (rounded
+    down, at least 1). What ``sample_trajectories`` trains and the memory planner counts."""
+    available = num_steps - 1 if deterministic_last_step else num_steps
+    if available < 1:
+        raise ValueError(
+            f"num_steps={num_steps} leaves no stochastic step to train "
+            "(the last step is deterministic): use num_steps >= 2"
+        )
+    if window_size is not None:
+        return window_size
+    if not 0 < timestep_fraction <= 1:
+        raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    return max(1, int(available * timestep_fraction))
+
+
 def _trained_steps(
     batch: int,
     num_steps: int,
@@ -231,19 +254,18 @@ def _trained_steps(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(start [B], span, K): each sample's first stochastic step, the number of stochastic
     steps from it, and K, the trained ones (the first K of them, rounded down from
-    ``timestep_fraction`` of the span, at least 1). Without ``sde_window`` every sample's
-    stochastic steps are all but the last (``deterministic_last_step``), from step 0; with it
-    they are the window, its start drawn per sample from ``generator``, and K its size."""
+    ``timestep_fraction`` of the span, at least 1: ``trained_step_count``). Without
+    ``sde_window`` every sample's stochastic steps are all but the last
+    (``deterministic_last_step``), from step 0; with it they are the window, its start drawn
+    per sample from ``generator``, and K its size."""
+    k = trained_step_count(
+        num_steps,
+        window_size=None if sde_window is None else sde_window.size,
+        timestep_fraction=timestep_fraction,
+        deterministic_last_step=deterministic_last_step,
+    )
     available = num_steps - 1 if deterministic_last_step else num_steps
-    if available < 1:
-        raise ValueError(
-            f"num_steps={num_steps} leaves no stochastic step to train "
-            "(the last step is deterministic): use num_steps >= 2"
-        )
     if sde_window is None:
-        if not 0 < timestep_fraction <= 1:
-            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
-        k = max(1, int(available * timestep_fraction))
         start = torch.zeros(batch, dtype=torch.long)
         return start, available, k
     size, lo = sde_window.size, sde_window.lo

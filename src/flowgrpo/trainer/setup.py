@@ -75,17 +75,14 @@ def prepare_prompt_cache(
     prompt of ``prompt_sets`` and the negative prompts that is missing (each
     rank a share, then each rank what it still cannot read: the folder need not be shared),
     then apply ``model.text_encoder_offload``. Collective."""
+    from flowgrpo.config.checks import check_prompt_cache
     from flowgrpo.engine.dist import barrier
     from flowgrpo.models.prompt_cache import PromptEmbedCache
 
     m = cfg.model
     if not m.embed_cache_dir:
         return
-    if adapter.edits:
-        raise ValueError(
-            "model.embed_cache_dir: an editing model's prompt embeddings depend on each "
-            "sample's source images, so they are not cached; unset model.embed_cache_dir"
-        )
+    check_prompt_cache(adapter.edits, m.embed_cache_dir)  # the planner asks it too
     cache = PromptEmbedCache(m.embed_cache_dir, adapter)
     prompts = [p for prompt_set in prompt_sets for p in prompt_set]
     prompts += [cfg.sample.negative_prompt, adapter.default_negative_prompt]
@@ -155,9 +152,9 @@ def build_eval_data(cfg: Any) -> Any:
 
 
 def planned_memory(cfg: Any, dist: DistInfo) -> str | None:
-    """The banner's planned memory per rank (``flowgrpo.config.memory.planned_line``) against
+    """The banner's planned memory per rank (``flowgrpo.planner.planned_line``) against
     this device's memory (a GPU's, or the host's on a CPU); None where it cannot be planned."""
-    from flowgrpo.config.memory import planned_line
+    from flowgrpo.planner import planned_line
 
     if dist.device.type == "cuda":
         total = torch.cuda.get_device_properties(dist.device).total_memory

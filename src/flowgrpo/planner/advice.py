@@ -1,7 +1,7 @@
 """What ``flowgrpo memory`` advises when a plan does not fit (or fits tightly): each knob
 tried alone with its total, the cheapest combination of knobs that fits (``KNOB_COST``), and
 the settings docs/memory.md's table adds (``settings_that_fit``, ``docs_table``). Every
-variant is planned by ``flowgrpo.config.memory.plan_memory``, so a setting the trainer would
+variant is planned by ``flowgrpo.planner.plan.plan_memory``, so a setting the trainer would
 refuse is never offered."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flowgrpo.config.memory import GB, KNOWN_PREFIX, Plan, plan_memory
+from flowgrpo.planner.models import KNOWN_PREFIX
+from flowgrpo.planner.plan import GIB, Plan, plan_memory
+
+GB = GIB
 
 # -- what to turn ----------------------------------------------------------------------------------
 #: settings that shrink a plan, mildest first (what each costs: none, recompute, more steps,
@@ -20,6 +23,7 @@ SUGGESTIONS: list[tuple[str, list[str]]] = [
         ["model.embed_cache_dir=prompt-cache", "model.text_encoder_offload=free"],
     ),
     ("train LoRA instead of the whole transformer", ["lora.enabled=true"]),
+    ("keep the frozen base (and text encoders) in int8", ["model.base_quant=int8"]),
     ("recompute blocks in backward", ["fsdp.activation_checkpointing=true"]),
     ("one sample per micro-batch", ["update.micro_batch_size=1"]),
     ("split each sample's tokens over 2 GPUs", ["fsdp.sp_degree=2"]),
@@ -28,11 +32,14 @@ SUGGESTIONS: list[tuple[str, list[str]]] = [
 
 
 #: the relative cost of each knob's step, for the cheapest combination (``cheapest_fit``):
-#: free first (the cache), then recompute, more steps, communication, host traffic, more GPUs,
-#: then what changes the training itself (fewer samples per step, smaller groups, LoRA)
+#: free first (the cache), then recompute, a quantized frozen base (int8, then NF4: slower
+#: matmuls, and the policy trains on the quantized weights), more steps, communication, host
+#: traffic, more GPUs, then what changes the training itself (fewer samples per step, smaller
+#: groups, LoRA)
 KNOB_COST = {
     "cache": 1,
     "ckpt": 2,
+    "quant": 2.5,
     "micro": 3,
     "sp": 4,
     "offload": 6,
@@ -58,6 +65,13 @@ def _knobs(cfg: Any, gpus: int) -> list[list[tuple[list[str], float, str]]]:
                 )
                 for n in (2, 4, 8)
                 if n > fs.sp_degree
+            ]
+        elif extra[0].startswith("model.base_quant"):
+            if cfg.model.base_quant != "none":
+                continue
+            levels = [
+                (["model.base_quant=int8"], KNOB_COST["quant"], "keep the frozen base in int8"),
+                (["model.base_quant=nf4"], 2 * KNOB_COST["quant"], "keep the frozen base in NF4"),
             ]
         else:
             kind = {
@@ -133,7 +147,7 @@ def suggestions(preset: str | None, overrides: list[str], plan: Plan, *, device:
     out = []
     for levels in _knobs(cfg, plan.gpus):
         options = levels[1:2]
-        if levels[1][0][0].startswith("--gpus"):
+        if levels[1][0][0].startswith(("--gpus", "model.base_quant")):
             options = levels[1:]  # the smallest count that fits (else the largest tried)
         found = None
         for extra, _, why in options:
@@ -145,7 +159,7 @@ def suggestions(preset: str | None, overrides: list[str], plan: Plan, *, device:
         if found is not None:
             other, extra, why = found
             verdict = ", fits" if other.fits else ""
-            line = f"{' '.join(extra)}  ({why}): {other.total / GB:.1f} GB{verdict}"
+            line = f"{' '.join(extra)}  ({why}): {other.total / GB:.1f} GiB{verdict}"
             out.append((other.total, line))
     out.sort()
     return [text for _, text in out]
@@ -188,6 +202,8 @@ def settings_that_fit(
             break
         if extra == ["lora.enabled=true"]:  # a different training, not a memory setting
             continue
+        if extra[0].startswith("model.base_quant"):  # the policy trains on other weights
+            continue
         try:
             cfg = load_config(preset, [*overrides, *added, *extra], check_paths=False)
             other = plan_memory(cfg, gpus, gpu_gb)
@@ -199,11 +215,91 @@ def settings_that_fit(
     return added, plan
 
 
+#: GPU memory sizes (GiB) the fit tables try, smallest first: RTX 4080, RTX 4090, RTX 5090,
+#: A100 40GB, L40S / RTX 6000 Ada, A100 / H100 80GB, H20, H200, B200
+CARDS = (16, 24, 32, 40, 48, 80, 96, 141, 180)
+#: the knob sets of the "smallest GPU" table, mildest first
+FIT_KNOBS: list[tuple[str, list[str]]] = [
+    ("as is", []),
+    ("prompt cache", ["model.embed_cache_dir=prompt-cache", "model.text_encoder_offload=free"]),
+    ("int8 base", ["model.base_quant=int8"]),
+    ("NF4 base", ["model.base_quant=nf4"]),
+    (
+        "cache + NF4 + checkpointing",
+        [
+            "model.embed_cache_dir=prompt-cache",
+            "model.text_encoder_offload=free",
+            "model.base_quant=nf4",
+            "fsdp.activation_checkpointing=true",
+        ],
+    ),
+]
+
+
+def smallest_card(preset: str | None, overrides: list[str], gpus: int) -> tuple[float, Plan] | None:
+    """The smallest of ``CARDS`` the run fits on ``gpus`` of (GiB, its plan); None: none."""
+    from flowgrpo.config import load_config
+
+    try:
+        cfg = load_config(preset, overrides, check_paths=False)
+        plan = plan_memory(cfg, gpus, CARDS[-1])
+    except Exception:  # noqa: BLE001 - a setting that does not apply to this run
+        return None
+    for card in CARDS:
+        if plan.total <= card * GIB:
+            return card, plan
+    return None
+
+
+def fits_line(preset: str | None, overrides: list[str], gpus: int) -> str:
+    """``flowgrpo memory``'s line saying the smallest card the run fits, as given and with
+    each of ``FIT_KNOBS``."""
+    cells = []
+    for label, extra in FIT_KNOBS:
+        found = smallest_card(preset, [*overrides, *extra], gpus)
+        if found is not None:
+            cells.append(f"{label}: {found[0]:g} GiB")
+        elif label == "as is":
+            cells.append(f"{label}: none up to {CARDS[-1]} GiB")
+    return f"smallest card ({gpus} GPU(s)) it fits: " + "; ".join(cells)
+
+
+def smallest_gpu_table(gpus: int = 8) -> str:
+    """docs/memory.md's table: per preset's real model, the smallest card of ``CARDS`` it
+    trains on (``gpus`` of them) as shipped and with each knob set of ``FIT_KNOBS``."""
+    from flowgrpo.models.registry import PRESET_MODELS
+
+    head = "| preset, model | " + " | ".join(label for label, _ in FIT_KNOBS) + " |"
+    lines = [head, "|" + "---|" * (1 + len(FIT_KNOBS))]
+    for preset, model, extra in PRESET_MODELS:
+        over = [f"model.path={KNOWN_PREFIX}{model}", *extra]
+        cells = []
+        for _, knobs in FIT_KNOBS:
+            found = smallest_card(preset, [*over, *knobs], gpus)
+            cells.append("—" if found is None else f"{found[0]:g} GiB ({found[1].total / GIB:.1f})")
+        lines.append(f"| {preset}, {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print docs/memory.md's generated tables (python -m flowgrpo.planner.advice)."""
+    from flowgrpo.planner.published import docs_rows
+
+    print("<!-- published figures vs the planner -->")
+    print("\n".join(docs_rows()))
+    print()
+    print("<!-- smallest GPU (8 of them) each preset's model trains on -->")
+    print(smallest_gpu_table())
+    print()
+    print("<!-- 8x80 / 8x141 GiB: what to add -->")
+    print(docs_table())
+
+
 def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
     """The markdown table of docs/memory.md: every preset's real model, LoRA (the preset) and
     a full fine-tune, on ``gpus`` GPUs of each size: GB per GPU and the settings that fit."""
     head = "| preset, model | training | " + " | ".join(
-        f"{gpus}x{g:g} GB: GB/GPU, settings added" for g in gpu_sizes
+        f"{gpus}x{g:g} GiB: GiB/GPU, settings added" for g in gpu_sizes
     )
     from flowgrpo.models.registry import PRESET_MODELS
 
@@ -224,15 +320,21 @@ def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m flowgrpo.config.memory_advice: docs/memory.md's table
-    print(docs_table())
+if __name__ == "__main__":  # python -m flowgrpo.planner.advice: docs/memory.md's tables
+    main()
 
 
 __all__ = [
+    "CARDS",
+    "FIT_KNOBS",
     "KNOB_COST",
     "SUGGESTIONS",
     "cheapest_fit",
     "docs_table",
+    "fits_line",
+    "main",
+    "smallest_card",
+    "smallest_gpu_table",
     "settings_that_fit",
     "suggestions",
 ]

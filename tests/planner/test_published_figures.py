@@ -1,0 +1,65 @@
+"""The planner against published GPU memory figures (issue 37): each configuration of
+``flowgrpo.planner.published.FIGURES`` that is one of the issue's checks is planned and must
+meet its figure (±10% on one GPU, ±15% on eight) or its outcome (out of memory / ran). Where
+the planner cannot meet one without a fudge factor, the test records the gap as an expected
+failure with its cause (docs/memory.md says the same)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowgrpo.planner.published import FIGURES, check
+
+#: the figures the planner misses, with the cause (no constant is tuned to hide them)
+GAPS = {
+    "UniRL: Qwen-Image LoRA r64 on 96 GB, without activation checkpointing": (
+        "UniRL's comment blames its full-graph replay; planned as 3 rows of activations at "
+        "384x384 the run needs ~40 GiB: what else UniRL keeps alive is not modelled"
+    ),
+}
+
+
+@pytest.mark.parametrize("figure", [f for f in FIGURES if f.check], ids=lambda f: f.name)
+def test_published_figure(figure):
+    ok, line = check(figure)
+    if figure.name in GAPS:
+        assert not ok, "a recorded gap now meets its figure: drop it from GAPS: " + line
+        pytest.xfail(GAPS[figure.name] + ": " + line)
+    assert ok, line
+
+
+def test_quantized_base_shrinks_the_weights_by_the_nf4_layout():
+    """NF4: 4 bits + an int8 scale per 64 + an fp32 factor per 256 scales, on Linear weights;
+    the other parameters stay in the weights' dtype (FLUX.1-dev: 11.9B parameters)."""
+    from flowgrpo.config import load_config
+    from flowgrpo.planner import plan_memory
+    from flowgrpo.planner.plan import QUANT_BYTES
+
+    assert QUANT_BYTES["nf4"] == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
+    over = ["model.path=known:flux.1-dev", "lora.rank=4"]
+    plain = plan_memory(load_config("flux-pickscore", over, check_paths=False), 1, 80)
+    nf4 = plan_memory(
+        load_config("flux-pickscore", [*over, "model.base_quant=nf4"], check_paths=False), 1, 80
+    )
+    int8 = plan_memory(
+        load_config("flux-pickscore", [*over, "model.base_quant=int8"], check_paths=False), 1, 80
+    )
+    n = plain.params["trained"]
+    lora = plain.params["lora"] * 4
+    bf16 = plain.parts["trained weights"] - lora
+    assert bf16 == pytest.approx(2 * n, rel=1e-3)
+    # nearly every parameter of FLUX is a Linear weight: 0.516 B and ~1 B per parameter
+    assert (nf4.parts["trained weights"] - lora) / n == pytest.approx(0.516, abs=0.01)
+    assert (int8.parts["trained weights"] - lora) / n == pytest.approx(1.0, abs=0.02)
+    assert nf4.parts["frozen text encoders"] < plain.parts["frozen text encoders"] / 3
+
+
+def test_a_reward_model_without_a_path_is_counted_and_said():
+    from flowgrpo.config import load_config
+    from flowgrpo.planner import plan_memory
+
+    cfg = load_config("flux-pickscore", ["model.path=known:flux.1-dev"], check_paths=False)
+    plan = plan_memory(cfg, 8, 80)
+    # CLIP ViT-H/14 in fp32: bench/results_cuda.json measured 3.674 GiB of weights (H200)
+    assert plan.parts["reward models"] / 2**30 == pytest.approx(3.674, abs=0.01)
+    assert any("assumed PickScore_v1" in n for n in plan.notes)
