@@ -29,13 +29,23 @@ def test_published_figure(figure):
 
 
 def test_quantized_base_shrinks_the_weights_by_the_nf4_layout():
-    """NF4: 4 bits + an int8 scale per 64 + an fp32 factor per 256 scales, on Linear weights;
-    the other parameters stay in the weights' dtype (FLUX.1-dev: 11.9B parameters)."""
+    """The planner's bytes per quantized weight are what ``engine.quant`` really stores (a
+    1024x1024 bf16 Linear quantized and its codes and scales counted); the other parameters
+    stay in the weights' dtype (FLUX.1-dev: 11.9B parameters)."""
+    import torch
+
     from flowgrpo.config import load_config
+    from flowgrpo.engine.quant import quantize_frozen, quantized_bytes
     from flowgrpo.planner import plan_memory
     from flowgrpo.planner.plan import QUANT_BYTES
 
-    assert QUANT_BYTES["nf4"] == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
+    for mode in ("nf4", "int8"):
+        layer = torch.nn.Sequential(torch.nn.Linear(1024, 1024, dtype=torch.bfloat16))
+        layer.requires_grad_(False)
+        assert quantize_frozen(layer, mode) == 1
+        nbytes, count = quantized_bytes(layer)
+        per_row = 4 / 1024 if mode == "int8" else 0.0  # int8's fp32 row scales, counted apart
+        assert nbytes / count == pytest.approx(QUANT_BYTES[mode] + per_row, rel=1e-3)
     over = ["model.path=known:flux.1-dev", "lora.rank=4"]
     plain = plan_memory(load_config("flux-pickscore", over, check_paths=False), 1, 80)
     nf4 = plan_memory(
@@ -48,8 +58,8 @@ def test_quantized_base_shrinks_the_weights_by_the_nf4_layout():
     lora = plain.params["lora"] * 4
     bf16 = plain.parts["trained weights"] - lora
     assert bf16 == pytest.approx(2 * n, rel=1e-3)
-    # nearly every parameter of FLUX is a Linear weight: 0.516 B and ~1 B per parameter
-    assert (nf4.parts["trained weights"] - lora) / n == pytest.approx(0.516, abs=0.01)
+    # nearly every parameter of FLUX is a Linear weight: 0.5625 B and ~1 B per parameter
+    assert (nf4.parts["trained weights"] - lora) / n == pytest.approx(0.5625, abs=0.01)
     assert (int8.parts["trained weights"] - lora) / n == pytest.approx(1.0, abs=0.02)
     assert nf4.parts["frozen text encoders"] < plain.parts["frozen text encoders"] / 3
 
