@@ -11,6 +11,8 @@ import algo_ranks as ar
 import pytest
 import torch
 
+from flowgrpo.testing.families import kinds, params
+
 PROMPTS = ar.PROMPTS
 
 
@@ -216,7 +218,7 @@ def test_mix_grpo_flash_every_step_of_the_toy_run_samples_to_zero(dist1):
     assert bool(torch.isfinite(traj.final_latents).all())
 
 
-@pytest.mark.parametrize("kind", ["toy", "sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("kind", params(kinds()))
 def test_flash_schedule_on_the_grids_the_adapters_produce(kind):
     """On each adapter's own grid (FLUX and Qwen-Image: a resolution-dependent shift, not the
     authors' 3) and on the fixed-shift grid: the head is the grid itself, the tail starts at

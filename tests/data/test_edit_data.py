@@ -16,6 +16,7 @@ from PIL import Image
 
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.data.prompts import load_prompts, source_images
+from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
 
 
 def write_images(root: Path) -> list[np.ndarray]:
@@ -130,7 +131,15 @@ def test_an_edit_models_bad_image_is_a_config_error(tmp_path, image, expected) -
     assert f"{tmp_path / 'eval.jsonl'}:2: " in message and expected in message
 
 
-@pytest.mark.parametrize("cls", ["QwenImageEditPipeline", "FluxKontextPipeline"])
+#: the editing pipelines whose adapter takes one source image per prompt
+ONE_SOURCE = [
+    name
+    for name, path in SUPPORTED_PIPELINES.items()
+    if getattr(import_adapter(path), "max_images", None) == 1
+]
+
+
+@pytest.mark.parametrize("cls", ONE_SOURCE)
 def test_more_sources_than_the_model_takes_is_a_config_error(tmp_path, cls) -> None:
     """Two source images for a one-source model: one line naming the file and line (it
     stopped the run at its first rollout naming neither)."""

@@ -13,10 +13,12 @@ import torch
 from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.sd3 import SD3Adapter
 from flowgrpo.rollout import sample_trajectories
+from flowgrpo.testing.families import of
 from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 PROMPTS = ["a red cat holding a sign", "two blue birds"]
 SIZES = [tiny_size("sd3"), (24, 16)]  # two image sizes (non-square both ways)
+SD3_FLUX = [*of("sd3"), *of("flux")]  # the two adapters this file tests
 SEQ = 16  # short T5 length keeps the tests fast; the default is checked once
 STEPS = 3
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster
@@ -82,7 +84,7 @@ def test_sd3_default_length_negative_prompt_and_decode(sd3_pipe):
     assert (traj.images - ref).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux"])
+@pytest.mark.parametrize("kind", SD3_FLUX)
 def test_same_generator_same_initial_noise_as_pipeline(kind, sd3_pipe, flux_pipe):
     """The adapter draws the initial latents with the generator exactly as the pipeline does."""
     pipe = sd3_pipe if kind == "sd3" else flux_pipe
@@ -263,7 +265,7 @@ def test_build_adapter_dispatch_and_options(sd3_pipe, flux_pipe):
     assert neg is None and pos.pooled.shape == (1, 32) and pos.embeds.shape == (1, SEQ, 32)
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux"])
+@pytest.mark.parametrize("kind", SD3_FLUX)
 def test_lora_targets_wrap_attention_and_mlps(kind, sd3_pipe, flux_pipe):
     import copy
 

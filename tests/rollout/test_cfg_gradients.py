@@ -19,11 +19,11 @@ import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import sde_step_with_logprob
+from flowgrpo.models import build_adapter
 from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.qwen_image import QwenImageAdapter
-from flowgrpo.models.sd3 import SD3Adapter
 from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.families import core, double, kinds
 from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ["a red cat", "a photo of a big old house with a tree", "dog"]
@@ -34,15 +34,24 @@ ADVANTAGES = torch.tensor([1.0, -0.5, 0.3])
 STEP = 1  # the trained step whose gradient is compared (sigma < 1, noise on both sides)
 
 
+#: the image families of the "core" cost tier with a stock pipeline (CI time: the reference
+#: formula below is each one's guidance written out; other families: tests/models)
+KINDS = kinds(lambda f: core(f) and f.stock and f.num_frames is None)
+
+
 def _adapter(kind: str):
-    if kind == "sd3":
-        return SD3Adapter(tiny_pipeline("sd3"), max_sequence_length=8)
-    if kind == "flux":  # FLUX.1-dev style distilled guidance plus a true-CFG negative branch
-        return FluxAdapter(tiny_pipeline("flux"), true_cfg_scale=GUIDANCE, max_sequence_length=8)
-    return QwenImageAdapter(tiny_pipeline("qwen_image"))
+    """The family's adapter with its true-CFG option at ``GUIDANCE`` (FLUX.1-dev: distilled
+    guidance plus a true-CFG negative branch) and short text."""
+    fam = double(kind)
+    kw = dict(fam.options)
+    if "max_sequence_length" in kw:
+        kw["max_sequence_length"] = 8
+    if "true_cfg_scale" in fam.cfg_options:
+        kw["true_cfg_scale"] = GUIDANCE
+    return build_adapter(tiny_pipeline(kind), **kw)
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux", "qwen_image"])
+@pytest.fixture(scope="module", params=KINDS)
 def adapter(request):
     return _adapter(request.param)
 
