@@ -18,6 +18,7 @@ import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import SDEStepOutput
+from flowgrpo.algo.tree import train_mask, tree_advantages
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
 from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
@@ -64,6 +65,7 @@ class FlowGRPO(Algorithm):
     #: its loss needs each trained step's Gaussian mean, recorded by an 'sde' rollout (a
     #: subclass whose ratio or KL is the 'sde' step's sets it: the rule lives here once)
     uses_step_means: ClassVar[bool] = False
+    supports_branching = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -128,7 +130,9 @@ class FlowGRPO(Algorithm):
         sample_seeds: Sequence[int],
     ) -> dict[str, float]:
         """Optimizer steps on this rank's rollout. Returns global means of the loss terms,
-        grad_norm, lr, skipped; optimizer_steps; samples_trained / samples_dropped (global)."""
+        grad_norm, lr, skipped; optimizer_steps; samples_trained / samples_dropped (global).
+        A branching rollout (``trajectory.branching``) trains each tree edge once, with its
+        own advantage (``tree_update``)."""
         batch = len(trajectory)
         adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
         if adv.numel() != batch:
@@ -139,6 +143,8 @@ class FlowGRPO(Algorithm):
             )
         self.check(trajectory)
         adv = adv.to(trajectory.latents.device)
+        if trajectory.branching is not None:
+            return self.tree_update(trajectory, adv)
         rows = self.kept_rows(adv)
 
         def micro_loss(sub, index, scale, k):
@@ -150,6 +156,51 @@ class FlowGRPO(Algorithm):
         out = self.summarize(steps, self.keys)
         out["samples_trained"] = float(total)
         out["samples_dropped"] = float(batch * self.engine.dp_size - total)
+        return out
+
+    def tree_update(self, trajectory: Trajectory, leaf_adv: torch.Tensor) -> dict[str, float]:
+        """The update on a branching rollout: the leaves' group advantages [B] become one
+        advantage per edge (``sample.branching.estimator`` / ``fusion``, ``algo.tree``), each
+        edge trains once (on its first row), less the pruned ones and, with
+        ``skip_zero_advantage``, those whose advantage is 0 (every edge before a tree's first
+        split under ``depth``). An edge's term weighs 1 / (edges per tree x trees in the
+        minibatch): the loss is each tree's mean over its edges (BranchGRPO's normalization),
+        averaged over trees. A micro-batch with no edge at a step still forwards one row, with
+        weight 0, so every rank runs the same forwards."""
+        spec, b = trajectory.branching, self.cfg.sample.branching
+        batch, num_steps = len(trajectory), trajectory.num_train_steps
+        edge_adv = tree_advantages(
+            leaf_adv, trajectory.log_probs, spec, estimator=b.estimator, fusion=b.fusion
+        )
+        active = train_mask(
+            edge_adv,
+            spec,
+            prune_steps=tuple(b.prune_steps),
+            width=b.width_pruning,
+            width_ratio=b.width_ratio,
+        )
+        if self.settings.skip_zero_advantage:
+            active &= edge_adv != 0
+        trees = active.reshape(-1, spec.leaves, num_steps).any(dim=(1, 2))
+        rows = trees.repeat_interleave(spec.leaves).nonzero().squeeze(1)  # whole trees
+        per_cell = spec.leaves * num_steps / spec.edges(num_steps)
+        edge_adv = edge_adv.to(trajectory.latents.device)
+
+        def micro_loss(sub, index, scale, k):
+            on = active[index.cpu(), k].nonzero().squeeze(1)
+            if on.numel() == 0:  # no edge here: one row, weight 0 (the ranks forward alike)
+                terms = self.step_loss(sub.select([0]), edge_adv[index[:1].cpu(), k] * 0, k)
+                return [t * 0 for t in terms]
+            part = sub.select(on)
+            terms = self.step_loss(part, edge_adv[index.cpu()[on], k] * scale, k)
+            return [t * (per_cell * on.numel() / len(index)) for t in terms]
+
+        steps, total = self.update_loop(trajectory, rows, self.keys, micro_loss, num_steps)
+        out = self.summarize(steps, self.keys)
+        out["samples_trained"] = float(total)
+        out["samples_dropped"] = float(batch * self.engine.dp_size - total)
+        edges = self.engine.mean_over_ranks(torch.tensor([float(active.sum())]))
+        out["tree_edges_trained"] = float(edges[0]) * self.engine.dp_size
         return out
 
     def policy_and_reference(

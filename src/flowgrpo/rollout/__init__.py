@@ -1,5 +1,6 @@
 """Trajectory sampling with exact per-step log-probabilities, and its training-time twin."""
 
+from flowgrpo.algo.tree import BranchSpec
 from flowgrpo.rollout.sampler import (
     SDEWindow,
     Trajectory,
@@ -8,4 +9,11 @@ from flowgrpo.rollout.sampler import (
     trajectory_log_prob,
 )
 
-__all__ = ["SDEWindow", "Trajectory", "policy_step", "sample_trajectories", "trajectory_log_prob"]
+__all__ = [
+    "BranchSpec",
+    "SDEWindow",
+    "Trajectory",
+    "policy_step",
+    "sample_trajectories",
+    "trajectory_log_prob",
+]
