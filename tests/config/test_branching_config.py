@@ -70,6 +70,14 @@ def _error(*overrides: str) -> str:
             ["sample.branching.prune_steps=[1]"],
             "config key 'sample.branching.prune_steps' must be [] without split_steps",
         ),
+        (
+            ["sample.branching.estimator=backup"],
+            "config key 'sample.branching.estimator' must be 'depth' without split_steps",
+        ),
+        (
+            [*TREE, "sample.branching.width_ratio=0.25"],
+            "config key 'sample.branching.width_ratio' must be 0.5 with width_pruning 'none'",
+        ),
     ],
 )
 def test_bad_trees_name_their_key(overrides, expected):

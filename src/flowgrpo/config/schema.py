@@ -202,19 +202,16 @@ class BranchingConfig:
             "increasing offsets >= 0",
             s,
         )
-        if not s:
-            need(
-                not self.prune_steps,
-                key + "prune_steps",
-                "[] without split_steps",
-                self.prune_steps,
-            )
-            need(
-                self.width_pruning == "none",
-                key + "width_pruning",
-                "'none' without split_steps",
-                self.width_pruning,
-            )
+        unused = {  # settings a run without a tree (or without width pruning) would ignore
+            "prune_steps": (self.prune_steps, [], not s),
+            "estimator": (self.estimator, "depth", not s),
+            "fusion": (self.fusion, "mean", not s),
+            "width_pruning": (self.width_pruning, "none", not s),
+            "width_ratio": (self.width_ratio, 0.5, self.width_pruning == "none"),
+        }
+        for name, (value, default, idle) in unused.items():
+            why = "without split_steps" if not s else "with width_pruning 'none'"
+            need(not idle or value == default, key + name, f"{default!r} {why}", value)
 
     def check_steps(self, trained: int, where: str, group_size: int) -> None:
         """Refuse a tree whose leaves are not ``group_size`` or whose split (or pruned) steps
