@@ -225,7 +225,7 @@ def _save(folder: Path, num_layers: int) -> tuple[int, int]:
     from peft import LoraConfig
 
     from flowgrpo.models.sd3 import SD3Adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     pipe = tiny_pipeline("sd3", num_layers=num_layers, **WIDE)
     model = pipe.transformer

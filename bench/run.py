@@ -64,7 +64,8 @@ def _guidance(kind: str) -> float:
 
 
 def _setup(kind: str, s: BenchSettings):
-    from flowgrpo.models import build_adapter, tiny_pipeline
+    from flowgrpo.models import build_adapter
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     pipe = tiny_pipeline(kind).to(s.device)
     adapter = build_adapter(pipe)

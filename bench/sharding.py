@@ -25,8 +25,9 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_file: str) -> 
     rank_env(rank, world, port, threads=max(1, settings["threads"] // world))
     from flowgrpo.config import config_from_dict
     from flowgrpo.engine import dist as fdist
-    from flowgrpo.models import build_adapter, tiny_pipeline
+    from flowgrpo.models import build_adapter
     from flowgrpo.rollout import SDEWindow, sample_trajectories
+    from flowgrpo.testing.tiny import tiny_pipeline
     from flowgrpo.trainer.setup import build_engine
 
     info = fdist.init_distributed()

@@ -69,7 +69,8 @@ def _prepare(kind: str, pm, size: int, batch: int, lora_rank: int = 8):
 
     from flowgrpo.engine.parallelize import transformer_blocks
     from flowgrpo.engine.sp import enable_sequence_parallel, set_sp_gradient_scale
-    from flowgrpo.models import build_adapter, tiny_pipeline
+    from flowgrpo.models import build_adapter
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     adapter = build_adapter(tiny_pipeline(kind))
     if kind == "flux":  # FLUX.1-dev's guidance is distilled: true CFG gives the second branch

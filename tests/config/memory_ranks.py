@@ -52,7 +52,7 @@ CONFIGS = {  # name -> extra overrides
 
 
 def save_small_pipeline(root: Path) -> Path:
-    from flowgrpo.models import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     path = root / "small-sd3"
     if not (path / "model_index.json").is_file():

@@ -113,7 +113,7 @@ def test_flux_adapter_refuses_a_size_it_would_round() -> None:
     import torch
 
     from flowgrpo.models import build_adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     adapter = build_adapter(tiny_pipeline("flux"))
     with pytest.raises(ValueError, match="width must be a positive multiple of 4 for FLUX"):

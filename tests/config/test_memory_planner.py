@@ -266,7 +266,7 @@ def test_new_families_param_counts_equal_their_tiny_pipelines(kind, preset, tmp_
     from peft import LoraConfig
 
     from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     pipe = tiny_pipeline(kind)
     _write_component_configs(pipe, tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.models.tiny import tiny_pipeline, tiny_size
+from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -137,7 +137,7 @@ def loss_grads(adapter, model, inputs_list, weight) -> dict[str, torch.Tensor]:
 
 def _adapter(kind: str, **overrides):
     from flowgrpo.models import build_adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     adapter = build_adapter(tiny_pipeline(kind, **overrides))
     if kind == "flux":  # FLUX.1-dev's guidance is distilled: true CFG gives the second branch
@@ -250,7 +250,7 @@ FIRST_SPLIT_BLOCK = {"z_image": "layers.0"}  # else transformer_blocks.0
 
 def _own_adapter(kind: str):
     from flowgrpo.models import build_adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     pipe = tiny_pipeline(kind)
     if kind == "hunyuan_video15":  # an odd joint text (4 + 16 + 25), as the real 1985: padded
@@ -325,9 +325,9 @@ def _heads_error(pm) -> str:
     from diffusers import FluxTransformer2DModel
 
     from flowgrpo.engine.sp import enable_sequence_parallel
-    from flowgrpo.models.tiny import TRANSFORMER_CONFIGS
+    from flowgrpo.testing.tiny import transformer_config
 
-    model = FluxTransformer2DModel(**{**TRANSFORMER_CONFIGS["flux"], "num_attention_heads": 3})
+    model = FluxTransformer2DModel(**{**transformer_config("flux"), "num_attention_heads": 3})
     return _error(lambda: enable_sequence_parallel(model, pm, 2))
 
 

@@ -91,8 +91,8 @@ def run(kind: str, mode: str, sp: int) -> dict:
     from flowgrpo.config import config_from_dict
     from flowgrpo.engine import init_distributed
     from flowgrpo.models import build_adapter
-    from flowgrpo.models.tiny import tiny_pipeline
     from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+    from flowgrpo.testing.tiny import tiny_pipeline
     from flowgrpo.trainer.setup import build_engine
 
     cfg = config_from_dict(

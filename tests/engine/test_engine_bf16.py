@@ -10,8 +10,8 @@ import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.models.sd3 import SD3Adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ["a red cat", "a sign saying hello", "two blue birds", "dog"]
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3])

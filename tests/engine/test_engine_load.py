@@ -124,7 +124,7 @@ def test_no_whole_transformer_is_allocated(dist1, tmp_path):
     without its transformer (plus the transformer's buffers and one block), and building the
     engine no more than the engine's own state plus one block. Today's path, measured alike,
     allocates the whole transformer while loading (the measurement sees it)."""
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     path = tmp_path / "deep"
     tiny_pipeline("sd3", num_layers=8, pos_embed_max_size=16).save_pretrained(path)

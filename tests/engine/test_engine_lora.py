@@ -192,7 +192,7 @@ def test_lora_export_and_full_export_load_in_diffusers(dist1, tmp_path):
 
     from flowgrpo.engine import EngineConfig, LoraConfig
     from flowgrpo.models.sd3 import SD3Adapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     adapter = SD3Adapter(tiny_pipeline("sd3"))
     engine = DiffusersFSDPEngine(adapter, EngineConfig(lora=LoraConfig(rank=4, alpha=8)))

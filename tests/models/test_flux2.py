@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from flowgrpo.models import build_adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import sample_trajectories
+from flowgrpo.testing.families import of
+from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ["a red cat holding a sign", "two blue birds"]
 SEQ = 64  # the tiny tokenizer's system message is ~35 tokens
@@ -60,7 +61,7 @@ def test_mu_depends_on_the_step_count(dev):
     assert abs(float(a - b)) > 1e-3  # both at t = 0.75 before the shift
 
 
-@pytest.mark.parametrize("kind", ["flux2", "flux2_klein"])
+@pytest.mark.parametrize("kind", of("flux2"))  # dev and klein
 def test_decode_equals_the_pipeline_images(dev, klein, kind):
     pipe = dev if kind == "flux2" else klein
     adapter = build_adapter(pipe, max_sequence_length=SEQ)

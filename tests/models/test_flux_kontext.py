@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flowgrpo.testing import conformance as C
+from flowgrpo.testing.families import kinds, params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAM = C.family("flux_kontext")
@@ -124,7 +125,7 @@ def test_the_preset_loads_with_flow_grpos_values(tmp_path):
     )
 
 
-@pytest.mark.parametrize("kind", ["flux_kontext", "qwen_image_edit", "qwen_image_edit_plus"])
+@pytest.mark.parametrize("kind", params(kinds(lambda f: f.sources)))  # editing families
 def test_sources_are_encoded_once_for_both_guidance_branches(kind):
     """``encode`` with CFG on encodes the batch's sources once (``encode_sources``) and both
     branches carry exactly those latents; a text-to-image family has no sources to encode."""

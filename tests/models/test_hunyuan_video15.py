@@ -12,7 +12,7 @@ import torch
 
 from flowgrpo.models import build_adapter
 from flowgrpo.models.hunyuan_video15 import HunyuanVideo15Adapter
-from flowgrpo.models.tiny import tiny_pipeline
+from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ['a sign that says "HELLO"', "two blue birds", 'the words "A" and “B”']
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,6 +12,7 @@ import torch
 from flowgrpo.models.base import PromptEmbeds, SourceLayouts
 from flowgrpo.rollout.sampler import Trajectory, sample_trajectories, trajectory_log_prob
 from flowgrpo.testing import conformance as C
+from flowgrpo.testing.families import kinds, params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +46,7 @@ def _rollout(adapter, prompts, images, seeds, scale):
     )
 
 
-@pytest.mark.parametrize("kind", ["qwen_image_edit", "qwen_image_edit_plus", "flux_kontext"])
+@pytest.mark.parametrize("kind", params(kinds(lambda f: f.sources)))  # editing families
 def test_a_batch_of_mixed_source_sizes_samples_and_trains(kind) -> None:
     fam = C.family(kind)
     adapter = fam.adapter(fam.pipeline(), cfg=True)

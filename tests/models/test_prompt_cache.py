@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgrpo.models import build_adapter, tiny_pipeline
+from flowgrpo.models import build_adapter
 from flowgrpo.models.prompt_cache import PromptEmbedCache, fingerprint, text_components
+from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ["a red cat on a mat", "x", "two dogs playing in the snow near a big tree"]
 

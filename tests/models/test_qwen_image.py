@@ -11,8 +11,8 @@ import torch
 
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.models.qwen_image import QwenImageAdapter
-from flowgrpo.models.tiny import tiny_pipeline, tiny_size
 from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 H, W = tiny_size("qwen_image")  # 32 x 48 -> 96 image tokens
 SH, SW = 16, 24  # 24 image tokens: the log-prob and gradient tests

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flowgrpo.models import build_adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import sample_trajectories
 from flowgrpo.testing.compare import assert_tensors_close
+from flowgrpo.testing.tiny import tiny_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,10 +12,12 @@ from flowgrpo.models import registry
 from flowgrpo.models.registry import (
     SUPPORTED_PIPELINES,
     build_adapter,
+    import_adapter,
     load_pipeline,
     resolve_adapter_path,
 )
-from flowgrpo.models.tiny import TINY_KINDS, tiny_pipeline, tiny_size
+from flowgrpo.testing.families import doubles, params
+from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 
 def test_dispatch_table_resolves_names_and_subclasses():
@@ -115,19 +117,25 @@ def test_load_pipeline_finds_custom_classes_beside_their_adapter(monkeypatch, tm
     assert type(loaded) is CustomPipeline and loaded.scheduler.config.shift == 2.0
 
 
-@pytest.mark.parametrize("kind", TINY_KINDS)
-def test_save_then_load_pipeline_reproduces_latents(kind, tmp_path):
+#: the text-to-image families with a stock diffusers pipeline (video and editing families
+#: save and load through the same code; their own tests load them)
+T2I = [f for f in doubles() if f.stock and f.saves and f.num_frames is None and f.sources is None]
+
+
+@pytest.mark.parametrize("fam", params(T2I))
+def test_save_then_load_pipeline_reproduces_latents(fam, tmp_path):
+    kind = fam.kind
     pipe = tiny_pipeline(kind)
     height, width = tiny_size(kind)
-    kwargs = dict(prompt=["a cat"], num_inference_steps=2, height=height, width=width)
+    kwargs = dict(num_inference_steps=2, height=height, width=width)
     kwargs["output_type"] = "latent"
-    if kind == "qwen_image":
-        kwargs.update(true_cfg_scale=3.0, negative_prompt=["blurry"])
-    else:
-        kwargs.update(guidance_scale=4.0, max_sequence_length=16)
+    kwargs.update(fam.call_options)
+    kwargs[fam.guidance_arg] = 4.0
+    if fam.guidance_arg == "true_cfg_scale":
+        kwargs["negative_prompt"] = ["blurry"]
 
-    def run(p):
-        return p(generator=torch.Generator().manual_seed(3), **kwargs).images
+    def run(p):  # a fresh prompt list: ZImagePipeline writes its chat template into the list
+        return p(prompt=["a cat"], generator=torch.Generator().manual_seed(3), **kwargs).images
 
     expected = run(pipe)
     pipe.save_pretrained(tmp_path)
@@ -137,9 +145,12 @@ def test_save_then_load_pipeline_reproduces_latents(kind, tmp_path):
     # Not bitwise: safetensors-mmapped weights are not 64-byte aligned, so BLAS may sum in
     # another order (~1e-7). Cloning the parameters restores bitwise equality.
     assert (run(loaded) - expected).abs().max() < 1e-5
-    if kind == "sd3":
-        half = load_pipeline(tmp_path, torch_dtype=torch.bfloat16)
-        assert half.transformer.dtype == torch.bfloat16
+
+
+def test_load_pipeline_in_bf16(tmp_path):
+    tiny_pipeline("sd3").save_pretrained(tmp_path)
+    half = load_pipeline(tmp_path, torch_dtype=torch.bfloat16)
+    assert half.transformer.dtype == torch.bfloat16
 
 
 def test_family_options_are_model_settings_and_come_from_the_adapters():
@@ -163,15 +174,32 @@ def test_family_options_are_model_settings_and_come_from_the_adapters():
     assert adapter_options(StableDiffusion3Pipeline) == {"max_sequence_length"}
 
 
-def test_sequence_parallel_spec_is_found_from_the_transformer_class():
+SP_FAMILIES = [
+    f
+    for f in doubles()
+    if getattr(import_adapter(SUPPORTED_PIPELINES[f.pipeline_class]), "sequence_parallel", None)
+]
+
+
+@pytest.mark.parametrize("fam", params(SP_FAMILIES))
+def test_sequence_parallel_spec_is_found_from_the_transformer_class(fam):
+    """Each family that declares a spec finds it from its transformer, also through a
+    subclass as FSDP makes (``fully_shard``)."""
     from flowgrpo.models.registry import sequence_parallel_of
 
-    found = {kind: sequence_parallel_of(tiny_pipeline(kind).transformer) for kind in TINY_KINDS}
-    assert {k: s.name for k, s in found.items()} == {k: k for k in TINY_KINDS}
+    declared = import_adapter(SUPPORTED_PIPELINES[fam.pipeline_class]).sequence_parallel
+    transformer = tiny_pipeline(fam.kind).transformer
+    assert sequence_parallel_of(transformer) is declared
+    cls = type(transformer)
+    transformer.__class__ = type(f"FSDP{cls.__name__}", (cls,), {})  # as fully_shard does
+    assert sequence_parallel_of(transformer) is declared
+
+
+def test_sequence_parallel_specs_are_named_for_their_family():
+    from flowgrpo.models.registry import sequence_parallel_of
+
+    assert sequence_parallel_of(tiny_pipeline("sd3").transformer).name == "sd3"
     assert sequence_parallel_of(tiny_pipeline("wan").transformer) is None  # diffusers' plan
-    sd3 = tiny_pipeline("sd3").transformer
-    sd3.__class__ = type("FSDPSD3Transformer2DModel", (type(sd3),), {})  # as fully_shard does
-    assert sequence_parallel_of(sd3) is found["sd3"]
     assert sequence_parallel_of(torch.nn.Linear(2, 2)) is None
 
 

@@ -12,8 +12,8 @@ import torch
 
 from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.sd3 import SD3Adapter
-from flowgrpo.models.tiny import tiny_pipeline, tiny_size
 from flowgrpo.rollout import sample_trajectories
+from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 PROMPTS = ["a red cat holding a sign", "two blue birds"]
 SIZES = [tiny_size("sd3"), (24, 16)]  # two image sizes (non-square both ways)

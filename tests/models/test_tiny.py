@@ -1,17 +1,16 @@
-"""Tiny offline pipelines: real diffusers classes, deterministic, runnable end to end."""
+"""Tiny offline pipelines (the test doubles of flowgrpo.testing.families): real diffusers
+classes, one per registered pipeline class, deterministic, runnable end to end."""
 
 from functools import cache
 
 import pytest
 import torch
 
-from flowgrpo.models.tiny import TINY_KINDS, TINY_MULTIPLE, tiny_pipeline, tiny_size
+from flowgrpo.models.base import check_size
+from flowgrpo.models.registry import SUPPORTED_PIPELINES, families
+from flowgrpo.testing.families import doubles, params
+from flowgrpo.testing.tiny import kinds, size_rule, tiny_pipeline, tiny_size
 
-PIPELINE_CLASSES = {
-    "qwen_image": "QwenImagePipeline",
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-}
 PROMPTS = ["a red cube", "a cat holding a sign that says hello world"]
 
 
@@ -21,8 +20,61 @@ def shared(kind: str):
     return tiny_pipeline(kind)
 
 
-def guided_call(pipe, kind: str, output_type: str = "latent", seed: int = 0, steps: int = 2):
-    """Run ``pipe`` with guidance on, at the tiny test size."""
+def test_every_registered_pipeline_has_a_test_double_in_its_family_module():
+    covered = {f.pipeline_class for f in doubles()}
+    assert covered == set(SUPPORTED_PIPELINES)
+    for fam in doubles():  # each family's doubles live in the module named as the family
+        name = fam.build.__module__.rsplit(".", 1)[1]
+        assert fam.pipeline_class in families()[name], (fam.kind, name)
+    assert len(set(kinds())) == len(kinds())
+
+
+def _state(pipe) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{key}": value
+        for name, module in pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+        for key, value in module.state_dict().items()
+    }
+
+
+@pytest.mark.parametrize("fam", params(doubles()))
+def test_tiny_pipeline_is_its_class_deterministic_and_leaves_the_rng_alone(fam):
+    rng_before = torch.random.get_rng_state()
+    pipe = tiny_pipeline(fam.kind)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # global RNG untouched
+    assert type(pipe).__name__ == fam.pipeline_class
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    assert modules and not any(m.training for m in modules)  # eval, as from_pretrained
+    again, other = _state(tiny_pipeline(fam.kind)), _state(tiny_pipeline(fam.kind, seed=1))
+    state = _state(pipe)
+    assert state.keys() == again.keys() == other.keys()
+    assert all(torch.equal(state[k], again[k]) for k in state)
+    assert any(not torch.equal(state[k], other[k]) for k in state if state[k].is_floating_point())
+
+
+@pytest.mark.parametrize("kind", kinds())
+def test_tiny_size_follows_the_family_size_rule(kind):
+    """The size the adapter's own rule accepts (Qwen-Image 2.1: multiples of 32), non-square
+    where the rule allows; the conformance sizes obey it too."""
+    rule = size_rule(kind)
+    h, w = tiny_size(kind)
+    check_size(rule, h, w, None)
+    assert h != w or rule.max_size == rule.multiple  # only the toy's one size is square
+    fam = next(f for f in doubles() if f.kind == kind)
+    for size in (*fam.sizes, fam.size, fam.train_size):
+        check_size(rule, *size, None)
+
+
+def test_tiny_size_of_the_vae_x2_x32_and_qwen_image21_families():
+    assert tiny_size("sd3") == (32, 48)  # 8 x 12 = 96 tokens
+    assert tiny_size("flux_kontext") == (64, 128)  # VAE x32, 2x2 packing
+    assert tiny_size("qwen_image21") == (32, 64)  # multiples of 32 (32 x 48 was refused)
+
+
+def _guided_call(pipe, kind: str, output_type: str = "latent", seed: int = 0, steps: int = 2):
+    """Run the stock ``pipe`` with guidance on, at the tiny test size."""
+    fam = next(f for f in doubles() if f.kind == kind)
     height, width = tiny_size(kind)
     kwargs = dict(
         prompt=PROMPTS,
@@ -31,56 +83,44 @@ def guided_call(pipe, kind: str, output_type: str = "latent", seed: int = 0, ste
         width=width,
         output_type=output_type,
         generator=torch.Generator().manual_seed(seed),
+        **fam.call_options,
     )
-    if kind == "qwen_image":
-        kwargs.update(true_cfg_scale=4.0, negative_prompt=[" ", ""])
-    elif kind == "sd3":
-        kwargs.update(guidance_scale=4.5, max_sequence_length=32)
-    else:
-        kwargs.update(guidance_scale=3.5, max_sequence_length=32)
+    kwargs[fam.guidance_arg] = 4.0
+    if fam.guidance_arg == "true_cfg_scale":
+        kwargs["negative_prompt"] = [" ", ""]
     return pipe(**kwargs).images
 
 
-@pytest.mark.parametrize("kind", TINY_KINDS)
-def test_tiny_pipeline_runs_with_guidance_and_is_deterministic(kind):
-    rng_before = torch.random.get_rng_state()
-    pipe = tiny_pipeline(kind)
-    assert torch.equal(torch.random.get_rng_state(), rng_before)  # global RNG untouched
-    assert type(pipe).__name__ == PIPELINE_CLASSES[kind]
-    assert not pipe.transformer.training and not pipe.text_encoder.training
-
-    height, width = tiny_size(kind)
-    assert height % TINY_MULTIPLE == 0 and width % TINY_MULTIPLE == 0 and height != width
-    latents = guided_call(pipe, kind)
-    tokens = (height // 4) * (width // 4)
-    if kind == "sd3":
-        assert latents.shape == (2, 4, height // 2, width // 2)
-    else:  # packed 2x2 patches of 4 latent channels
-        assert latents.shape == (2, tokens, 16)
+def test_tiny_qwen_image_runs_with_guidance_end_to_end():
+    """Qwen-Image's double: packed 2x2 latents of the tiny size, images in [0, 1]."""
+    pipe = shared("qwen_image")
+    height, width = tiny_size("qwen_image")
+    latents = _guided_call(pipe, "qwen_image")
+    assert latents.shape == (2, (height // 4) * (width // 4), 16)
     assert torch.isfinite(latents).all()
-
-    again = guided_call(shared(kind), kind)
-    assert torch.equal(latents, again)
-    other = guided_call(tiny_pipeline(kind, seed=1), kind)
-    assert (latents - other).abs().max() > 1e-2
-
-    images = guided_call(pipe, kind, output_type="pt")
+    assert torch.equal(latents, _guided_call(tiny_pipeline("qwen_image"), "qwen_image"))
+    images = _guided_call(pipe, "qwen_image", output_type="pt")
     assert images.shape == (2, 3, height, width)
     assert images.min() >= 0 and images.max() <= 1 and images.std() > 0
 
 
-@pytest.mark.parametrize("kind", TINY_KINDS)
-def test_schedulers_carry_the_real_configs(kind):
-    cfg = shared(kind).scheduler.config
-    if kind == "sd3":
-        assert cfg.shift == 3.0 and not cfg.use_dynamic_shifting
-    elif kind == "flux":
-        assert cfg.use_dynamic_shifting and (cfg.base_shift, cfg.max_shift) == (0.5, 1.15)
-        assert (cfg.base_image_seq_len, cfg.max_image_seq_len) == (256, 4096)
-    else:
-        assert cfg.use_dynamic_shifting and (cfg.base_shift, cfg.max_shift) == (0.5, 0.9)
-        assert (cfg.max_image_seq_len, cfg.shift_terminal) == (8192, 0.02)
-        assert cfg.time_shift_type == "exponential"
+def test_tiny_sd3_runs_with_guidance_end_to_end():
+    """SD3's double: unpacked latents of the VAE's factor 2."""
+    height, width = tiny_size("sd3")
+    latents = _guided_call(shared("sd3"), "sd3")
+    assert latents.shape == (2, 4, height // 2, width // 2) and torch.isfinite(latents).all()
+
+
+def test_schedulers_carry_the_real_configs():
+    cfg = shared("sd3").scheduler.config
+    assert cfg.shift == 3.0 and not cfg.use_dynamic_shifting
+    cfg = shared("flux").scheduler.config
+    assert cfg.use_dynamic_shifting and (cfg.base_shift, cfg.max_shift) == (0.5, 1.15)
+    assert (cfg.base_image_seq_len, cfg.max_image_seq_len) == (256, 4096)
+    cfg = shared("qwen_image").scheduler.config
+    assert cfg.use_dynamic_shifting and (cfg.base_shift, cfg.max_shift) == (0.5, 0.9)
+    assert (cfg.max_image_seq_len, cfg.shift_terminal) == (8192, 0.02)
+    assert cfg.time_shift_type == "exponential"
 
 
 def test_qwen_tokenizer_drops_exactly_the_template_prefix():
@@ -131,3 +171,7 @@ def test_overrides_and_bad_kinds():
         tiny_pipeline("sdxl")
     with pytest.raises(ValueError, match="unknown transformer option"):
         tiny_pipeline("sd3", depth=3)
+    with pytest.raises(ValueError, match="tier 'medium'"):
+        from flowgrpo.testing.family import Family
+
+        Family("x", ((8, 8), (8, 8)), tier="medium")

@@ -1,5 +1,6 @@
 """VAE decode in slices (one sample at a time, ``model.vae_slicing``, on by default) equals the
-batched decode of every family's tiny pipeline to 2e-6 (measured <= 8.4e-7 in [0, 1] pixels);
+batched decode of every family's tiny pipeline with a VAE to 4e-6 (measured <= 8.4e-7 in [0, 1] pixels,
+2.3e-6 for the VAE of factor 32);
 the trainer's setup turns slicing and tiling on from the config."""
 
 from __future__ import annotations
@@ -7,20 +8,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowgrpo.models import build_adapter, tiny_pipeline
+from flowgrpo.testing.families import doubles, params
+from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 
-@pytest.mark.parametrize("kind", ["qwen_image", "sd3", "flux", "wan"])
-def test_sliced_decode_equals_batched(kind):
-    adapter = build_adapter(tiny_pipeline(kind))
-    h, w = 32, 48
-    video = {"num_frames": 5} if kind == "wan" else {}
+@pytest.mark.parametrize("fam", params(f for f in doubles() if f.vae))  # families with a VAE
+def test_sliced_decode_equals_batched(fam):
+    adapter = fam.adapter(tiny_pipeline(fam.kind))
+    h, w = tiny_size(fam.kind)
+    video = {} if fam.num_frames is None else {"num_frames": fam.num_frames}
     latents = adapter.prepare_latents(3, h, w, torch.Generator().manual_seed(0), **video)
+    if fam.kind == "hunyuan_video15":
+        # diffusers 0.42.1: this VAE's mid-block attention fails on a batch > 1; slicing (the
+        # default, model.vae_slicing) decodes one sample at a time and works
+        with pytest.raises(RuntimeError, match="broadcast shape"):
+            adapter.decode(latents, h, w)
+        adapter.pipe.vae.enable_slicing()
+        one = adapter.decode(latents[:1], h, w)
+        assert (adapter.decode(latents, h, w)[:1] - one).abs().max() <= 2e-6
+        return
     batched = adapter.decode(latents, h, w)
     adapter.pipe.vae.enable_slicing()
     sliced = adapter.decode(latents, h, w)
     assert sliced.shape == batched.shape
-    assert (sliced - batched).abs().max() <= 2e-6
+    # <= 8.4e-7 measured; FLUX.1 Kontext's 6-level tiny VAE (factor 32): 2.3e-6
+    assert (sliced - batched).abs().max() <= 4e-6
     assert batched.std() > 0.01  # real images, not a constant
 
 

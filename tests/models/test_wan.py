@@ -19,9 +19,10 @@ import torch
 
 from flowgrpo.algo.sde import sde_step_with_logprob
 from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.models.tiny import tiny_pipeline, tiny_size
 from flowgrpo.models.wan import WanAdapter, WanExperts, use_flow_match
 from flowgrpo.rollout import SDEWindow, sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.families import of
+from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 PROMPTS = ["a red cat sitting on a table", "two dogs"]
 PROMPTS4 = ["a red cat", "a photo of a big old house with a tree", "dog", "two blue birds"]
@@ -31,11 +32,12 @@ SEQ = 32  # padded text length for speed (the pipeline's 512 is checked in two t
 # Tiny ops gain nothing from a second thread, and on a loaded 2-core machine OpenMP's spinning
 # made this file 7x slower with 2 threads (81 s vs 12 s wall, load ~4).
 pytestmark = pytest.mark.usefixtures("one_thread")
+WAN = of("wan")  # Wan2.1 and Wan2.2 (two experts)
 
 
 @pytest.fixture(scope="module")
 def pipes():
-    return {kind: tiny_pipeline(kind) for kind in ("wan", "wan22")}
+    return {kind: tiny_pipeline(kind) for kind in WAN}
 
 
 def _wan(pipe, **kw) -> WanAdapter:
@@ -76,10 +78,12 @@ def _rollout(adapter, prompts, *, size, frames, steps, g, seed=0, decode=False, 
     )
 
 
-GUIDANCE = {"wan": [(1.0, None), (5.0, None)], "wan22": [(1.0, None), (5.0, None), (4.0, 3.0)]}
+def guidance(kind: str) -> list[tuple[float, float | None]]:
+    """(guidance_scale, guidance_scale_2) pairs: off, on, and Wan2.2's second expert's own."""
+    return [(1.0, None), (5.0, None)] + ([(4.0, 3.0)] if kind == "wan22" else [])
 
 
-@pytest.mark.parametrize("kind", ["wan", "wan22"])
+@pytest.mark.parametrize("kind", WAN)
 def test_noise0_rollout_equals_pipeline_latents(pipes, kind):
     """9 frames (3 latent frames) and Wan2.2's second guidance scale; 5 frames at two sizes,
     with and without guidance: tests/models/test_conformance.py."""
@@ -88,7 +92,7 @@ def test_noise0_rollout_equals_pipeline_latents(pipes, kind):
     if kind == "wan22":  # the grid visits both experts: sigma 1 high, the rest low
         sigmas = _wan(pipe).schedule(3, *size).sigmas
         assert sigmas[0] * 1000 >= BOUNDARY > sigmas[1] * 1000
-    for g, g2 in GUIDANCE[kind]:
+    for g, g2 in guidance(kind):
         adapter = _wan(pipe, guidance_scale_2=g2)
         traj = _rollout(adapter, PROMPTS, size=size, frames=frames, steps=3, g=g, seed=1)
         ref = _pipe_call(pipe, PROMPTS, size=size, frames=frames, steps=3, g=g, g2=g2, seed=1)
@@ -266,7 +270,7 @@ def _rel(a, b) -> float:
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.3, 0.8])
 
 
-@pytest.mark.parametrize("kind", ["wan", "wan22"])
+@pytest.mark.parametrize("kind", WAN)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_guidance_gradient_through_both_branches(pipes, kind, dtype):
     g2 = 3.0 if kind == "wan22" else None

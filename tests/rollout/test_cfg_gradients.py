@@ -23,8 +23,8 @@ from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.qwen_image import QwenImageAdapter
 from flowgrpo.models.sd3 import SD3Adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ["a red cat", "a photo of a big old house with a tree", "dog"]
 NEGATIVE = [" ", "blurry", "a bad photo"]

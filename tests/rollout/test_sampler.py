@@ -11,8 +11,8 @@ import torch
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.sd3 import SD3Adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import SDEWindow, sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.tiny import tiny_pipeline
 
 PROMPTS = ["a red cat", "a sign saying hello", "two blue birds"]
 H, W = 16, 24  # 4 x 6 image tokens: a non-square size below tiny_size("sd3"), for speed

@@ -11,9 +11,9 @@ import torch
 from flowgrpo.algorithms import algorithm_class
 from flowgrpo.config import load_config
 from flowgrpo.models.sd3 import SD3Adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import SDEWindow, sample_trajectories
 from flowgrpo.settings import ConfigError
+from flowgrpo.testing.tiny import tiny_pipeline
 
 WINDOW = ["sample.num_steps=10", "sample.window_size=2", "sample.window_lo=1", "sample.window_hi=6"]
 

@@ -105,7 +105,7 @@ def test_edit_run_journey(tmp_path) -> None:
     from diffusers import QwenImageEditPipeline
 
     from flowgrpo.models.qwen_image_edit import QwenImageEditAdapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     tiny_pipeline("qwen_image_edit").save_pretrained(tmp_path / "model")
     (tmp_path / "data" / "images").mkdir(parents=True)
@@ -220,7 +220,7 @@ def test_flux_kontext_run_exports_and_samples(tmp_path) -> None:
     import torch
     from diffusers import FluxKontextPipeline
 
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     tiny_pipeline("flux_kontext").save_pretrained(tmp_path / "model")
     (tmp_path / "data" / "images").mkdir(parents=True)

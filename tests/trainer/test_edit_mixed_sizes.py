@@ -32,7 +32,7 @@ def _flowgrpo(*args: str) -> subprocess.CompletedProcess:
 
 def test_sources_of_two_aspect_ratios_train_and_sample(tmp_path) -> None:
     from flowgrpo.models.qwen_image_edit import QwenImageEditAdapter
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
     from flowgrpo.trainer.logging import read_jsonl
 
     tiny_pipeline("qwen_image_edit").save_pretrained(tmp_path / "model")

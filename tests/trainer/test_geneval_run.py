@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # ~30 s 
 
 def test_geneval_reward_trains_the_tiny_pipeline_two_steps(tmp_path):
     from flowgrpo.config import load_config
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
     from flowgrpo.trainer.logging import read_jsonl
     from flowgrpo.trainer.loop import run_training
 

@@ -5,7 +5,7 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.engine.dist import DistInfo
-from flowgrpo.models.tiny import tiny_pipeline
+from flowgrpo.testing.tiny import tiny_pipeline
 from flowgrpo.trainer.setup import build_adapter_for
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")

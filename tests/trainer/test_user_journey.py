@@ -42,7 +42,7 @@ TOY = [f"model.path={random_toy_path()}", *TINY]
 
 @pytest.fixture(scope="module")
 def sd3_dir(tmp_path_factory) -> Path:
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     path = tmp_path_factory.mktemp("sd3") / "sd35m"
     tiny_pipeline("sd3").save_pretrained(path)

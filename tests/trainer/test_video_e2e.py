@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowgrpo.testing.families import of
+
 pytestmark = pytest.mark.slow
 
 FRAMES = 5
@@ -55,10 +57,10 @@ def _flowgrpo(*args: str) -> str:
     return res.stdout
 
 
-@pytest.fixture(scope="module", params=["wan", "wan22"])
+@pytest.fixture(scope="module", params=of("wan"))  # Wan2.1 and Wan2.2
 def trained(request, tmp_path_factory):
     """(kind, model dir, prompt file, run dir) after a 2-step run."""
-    from flowgrpo.models.tiny import tiny_pipeline
+    from flowgrpo.testing.tiny import tiny_pipeline
 
     kind = request.param
     root = tmp_path_factory.mktemp(kind)

@@ -1,8 +1,8 @@
-"""Model adapters (one file per family), the registry, and tiny offline pipelines."""
+"""Model adapters (one file per family) and the registry. The tiny offline pipelines of the
+tests are test doubles: ``flowgrpo.testing.tiny``."""
 
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
 from flowgrpo.models.registry import build_adapter, load_pipeline
-from flowgrpo.models.tiny import tiny_pipeline
 
 __all__ = [
     "DiffusionAdapter",
@@ -10,5 +10,4 @@ __all__ = [
     "Schedule",
     "build_adapter",
     "load_pipeline",
-    "tiny_pipeline",
 ]

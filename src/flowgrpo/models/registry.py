@@ -78,6 +78,24 @@ PRESET_MODELS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+def family_of(adapter_path: str) -> str:
+    """A family's name: its adapter module's (``flowgrpo.models.wan:WanAdapter`` -> ``wan``),
+    or its package's for an adapter outside ``flowgrpo.models`` (the toy -> ``toy``)."""
+    parts = adapter_path.partition(":")[0].split(".")
+    return parts[2] if parts[1:2] == ["models"] and len(parts) > 2 else parts[1]
+
+
+def families() -> dict[str, tuple[str, ...]]:
+    """{family name (``family_of``): the pipeline class names its adapter module drives}, in
+    ``SUPPORTED_PIPELINES`` order: the one list of families every other list derives from
+    (test doubles, docs tables, the planner's checks). Imports nothing."""
+    out: dict[str, tuple[str, ...]] = {}
+    for pipeline, path in SUPPORTED_PIPELINES.items():
+        name = family_of(path)
+        out[name] = (*out.get(name, ()), pipeline)
+    return out
+
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

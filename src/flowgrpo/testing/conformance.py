@@ -1,6 +1,7 @@
 """What every model family must satisfy (as diffusers' ``PipelineTesterMixin``): a family is
-one ``Family`` line in ``FAMILIES`` and gets every check of tests/models/test_conformance.py,
-and the "2 ranks equal 1 process" update of every algorithm (tests/algorithms).
+its ``Family`` lines in ``flowgrpo.testing.families.<family>`` (``FAMILIES``: every registered
+family's) and gets every check of tests/models/test_conformance.py, and the "2 ranks equal 1
+process" update of every algorithm (tests/algorithms).
 
 The checks, each a function taking a ``Family`` (and what it builds):
 - ``check_noise0_matches_pipeline``: a noise-0 rollout's final latents equal the stock
@@ -24,319 +25,28 @@ A user testing their own family builds a ``Family`` and calls these functions.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flowgrpo.testing.compare import assert_tensors_close
+from flowgrpo.testing.families import double, doubles
+from flowgrpo.testing.family import Family
 
 NOISE0_ATOL = 1e-5  # stock pipeline vs our rollout (batched CFG rounds differently: <= 3.8e-6)
 SPLIT_ATOL = 1e-6  # fp32 log-prob recomputation under another split (measured <= 1.2e-7)
 EXPORT_ATOL = 1e-5  # velocity of the exported LoRA in the stock pipeline vs the engine's
 
 
-def _toy_pipeline() -> Any:
-    from flowgrpo.toy.pipeline import ToyDigitsPipeline
-
-    return ToyDigitsPipeline.from_config(seed=0)
-
-
-@dataclass(frozen=True)
-class Family:
-    """One model family as the conformance checks drive it.
-
-    ``kind``: a ``tiny_pipeline`` kind, or any name with ``make``; ``sizes``: two (H, W) for
-    the pipeline comparison; ``size``: the other checks'; ``options``: adapter options for
-    every check, ``cfg_options`` added for the training checks (log-probs, bf16);
-    ``guidance_arg`` and ``call_options``: the stock pipeline call's guidance argument and
-    extra arguments; ``stock``: False for a pipeline without diffusers'
-    ``__call__(latents=, output_type="latent")`` (the toy); ``x0_seed``: the SDE rollouts'
-    initial latents from this seed (else drawn by the per-sample generators);
-    ``rollout_check``: asserts on the SDE rollout (Wan2.2: its steps straddle the experts);
-    ``train_size`` / ``guidance``: the algorithm tests' image size and guidance scale;
-    ``stock_layout(pipe, latents, (H, W))``: the rollout's final latents in the layout of the
-    stock pipeline's ``output_type="latent"`` when it differs (the pipeline's own ops);
-    ``stock_negative``: False for a pipeline that takes no ``negative_prompt`` (it uses its
-    own, which ``negative`` must equal); ``train_options``: adapter options of the algorithm
-    tests (a short text length for a family whose default is long).
-    ``stock_guidance(pipe, scale)``: for a pipeline whose guidance is a component (a diffusers
-    guider), sets it and returns the call's guidance arguments (else ``guidance_arg``).
-    Editing families: ``sources()`` gives each of ``prompts`` its source images (PIL, in
-    order): the stock pipeline gets them as ``image=``, the rollout as tensors in [0, 1];
-    ``stock_batch`` False calls the stock pipeline one prompt at a time (Edit-Plus takes
-    batch 1; a single PIL image is the pipelines' documented call).
-    """
-
-    kind: str
-    sizes: tuple[tuple[int, int], tuple[int, int]]
-    size: tuple[int, int] = (16, 24)
-    prompts: tuple[str, ...] = (
-        "a red cat",
-        "a photo of a big old house with a tree",
-        "dog",
-        "two blue birds",
-    )
-    negative: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-    cfg_options: dict[str, Any] = field(default_factory=dict)
-    guidance_arg: str = "guidance_scale"
-    call_options: dict[str, Any] = field(default_factory=dict)
-    num_frames: int | None = None
-    stock: bool = True
-    sde_window: tuple[int, int, int] | None = None  # (size, lo, hi) of the SDE window
-    x0_seed: int | None = None
-    rollout_check: Callable[[Any], None] | None = None
-    bf16_split_atol: float = 0.0
-    bf16_via_load: bool = False  # bf16 as users load it (load_pipeline: fp32-kept modules)
-    train_size: tuple[int, int] = (16, 16)
-    guidance: float = 4.5
-    make: Callable[[], Any] | None = None
-    load_lora: Callable[[Any, Path], None] | None = None
-    stock_layout: Callable[[Any, torch.Tensor, tuple[int, int]], torch.Tensor] | None = None
-    stock_negative: bool = True
-    train_options: dict[str, Any] = field(default_factory=dict)
-    stock_guidance: Callable[[Any, float], dict[str, Any]] | None = None
-    sources: Callable[[], list[list[Any]]] | None = None
-    stock_batch: bool = True
-
-    def source_images(self, prompts: Sequence[str]) -> list[list[torch.Tensor]] | None:
-        """The rollout's ``images=`` for ``prompts`` (each one of ``self.prompts``): its
-        sources as [3, H, W] tensors in [0, 1]; None for a text-to-image family."""
-        if self.sources is None:
-            return None
-        import numpy as np
-
-        table = self.sources()
-        rows = [table[self.prompts.index(p)] for p in prompts]
-        return [
-            [torch.from_numpy(np.asarray(im, dtype=np.float32) / 255).permute(2, 0, 1) for im in r]
-            for r in rows
-        ]
-
-    def __str__(self) -> str:
-        return self.kind
-
-    def pipeline(self) -> Any:
-        """A fresh pipeline of this family (fp32, random tiny weights)."""
-        if self.make is not None:
-            return self.make()
-        from flowgrpo.models.tiny import tiny_pipeline
-
-        return tiny_pipeline(self.kind)
-
-    def adapter(self, pipe: Any, *, cfg: bool = False) -> Any:
-        """The registry's adapter for ``pipe`` with this family's options."""
-        from flowgrpo.models import build_adapter
-
-        return build_adapter(pipe, **self.options, **(self.cfg_options if cfg else {}))
-
-
-def _random_image(seed: int, height: int, width: int) -> Any:
-    """A random RGB PIL image (a source image for the editing families)."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def _one_source() -> list[list[Any]]:
-    """Qwen-Image-Edit: one square source per prompt (resized to 1024² by the pipeline)."""
-    return [[_random_image(i, 40, 40)] for i in range(4)]
-
-
-def _two_sources() -> list[list[Any]]:
-    """Qwen-Image-Edit-Plus: two sources per prompt, square and 2:1 (1024² and 1440 x 736)."""
-    return [[_random_image(i, 40, 40), _random_image(10 + i, 40, 80)] for i in range(4)]
-
-
-def _straddles_wan22_boundary(traj: Any) -> None:
-    """The trained steps of the batch visit both Wan2.2 experts (boundary t = 875)."""
-    high = traj.sigmas[:, 0] * 1000 >= 875.0
-    assert bool(high.any()) and not bool(high.all()), traj.step_indices
-
-
-def _load_wan22_lora(pipe: Any, folder: Path) -> None:
-    """Wan2.2's export as users load it: the second expert's file beside the first."""
-    pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights.safetensors")
-    pipe.load_lora_weights(
-        folder, weight_name="pytorch_lora_weights_2.safetensors", load_into_transformer_2=True
-    )
-
-
-def _flux2_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int, int]):
-    """Flux2Pipeline's ``output_type="latent"``: packed [B, S, 4C] (``_pack_latents``)."""
-    return pipe._pack_latents(latents)
-
-
-def _flux2_klein_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int, int]):
-    """Flux2KleinPipeline's ``output_type="latent"``: de-normalized with the VAE's batch-norm
-    statistics and unpatchified (its own steps after the loop)."""
-    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
-    mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
-    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
-    return pipe._unpatchify_latents(latents * std + mean)
-
-
-def _guider_scale(pipe: Any, guidance_scale: float) -> dict[str, Any]:
-    """A pipeline guided by its ``guider`` component: the scale is the guider's, not an
-    argument of the call."""
-    pipe.guider.guidance_scale = guidance_scale
-    return {}
-
-
-def _load_transformer_lora(pipe: Any, folder: Path) -> None:
-    """A pipeline without a LoRA loader: the export's file into its transformer by diffusers'
-    ``load_lora_adapter`` (``weight_name`` given: only then does it read the file's peft
-    config, alpha included)."""
-    pipe.transformer.load_lora_adapter(
-        folder, weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
-    )
-
-
-# One line per family: adding a family to the package adds its line here.
-_QWEN_IMAGE_EDIT = Family(
-    "qwen_image_edit",
-    ((128, 192), (192, 128)),
-    size=(64, 128),
-    negative=" ",
-    guidance_arg="true_cfg_scale",
-    bf16_split_atol=1e-3,  # the re-padded text holds the image's tokens: measured 5.8e-4
-    train_size=(64, 64),
-    sources=_one_source,
-    stock_batch=False,
-)
-
-FAMILIES: tuple[Family, ...] = (
-    Family(
-        "toy",
-        ((8, 8), (8, 8)),
-        size=(8, 8),
-        prompts=("a handwritten 3", "a handwritten 7", "a handwritten 0", "a handwritten 5"),
-        stock=False,
-        train_size=(8, 8),
-        make=_toy_pipeline,
-    ),
-    Family(
-        "sd3",
-        ((32, 48), (24, 16)),
-        options={"max_sequence_length": 16},
-        call_options={"max_sequence_length": 16},
-    ),
-    Family(
-        "flux",
-        ((32, 48), (24, 16)),
-        options={"max_sequence_length": 16},
-        cfg_options={"true_cfg_scale": 4.0},
-        call_options={"max_sequence_length": 16},
-        guidance=3.5,
-    ),
-    Family(
-        "qwen_image",
-        ((32, 48), (24, 16)),
-        negative=" ",
-        guidance_arg="true_cfg_scale",
-        bf16_split_atol=5e-4,
-    ),
-    Family(
-        "wan",
-        ((32, 48), (48, 32)),
-        size=(32, 48),
-        options={"max_sequence_length": 32},
-        call_options={"max_sequence_length": 32},
-        num_frames=5,
-        sde_window=(1, 0, 3),
-        x0_seed=3,
-        bf16_via_load=True,
-        train_size=(32, 48),
-    ),
-    Family(
-        "wan22",
-        ((32, 48), (48, 32)),
-        size=(32, 48),
-        options={"max_sequence_length": 32},
-        cfg_options={"guidance_scale_2": 3.0},
-        call_options={"max_sequence_length": 32},
-        num_frames=5,
-        sde_window=(1, 0, 3),
-        x0_seed=3,
-        rollout_check=_straddles_wan22_boundary,
-        bf16_via_load=True,
-        train_size=(32, 48),
-        load_lora=_load_wan22_lora,
-    ),
-    Family(  # the first two prompts of equal token length: the stock batch has no padding
-        "qwen_image21",
-        ((32, 64), (64, 32)),
-        size=(32, 64),
-        prompts=("a red cat", "a blue dog", "a photo of a big old house with a tree", "dog"),
-        negative=" ",
-        guidance_arg="true_cfg_scale",
-        train_size=(32, 32),
-    ),
-    Family(
-        "z_image",
-        ((32, 48), (24, 16)),
-        options={"max_sequence_length": 64},
-        call_options={"max_sequence_length": 64},
-    ),
-    Family(
-        "flux2",
-        ((32, 48), (24, 16)),
-        options={"max_sequence_length": 64},
-        call_options={"max_sequence_length": 64},
-        guidance=4.0,
-        train_options={"max_sequence_length": 64},
-        train_size=(8, 8),  # LoRA steps of 16 x 16 move < 1e-4 (the algorithm tests' floor)
-        stock_layout=_flux2_stock_layout,
-    ),
-    Family(
-        "flux2_klein",
-        ((32, 48), (24, 16)),
-        options={"max_sequence_length": 64},
-        call_options={"max_sequence_length": 64},
-        guidance=4.0,
-        train_options={"max_sequence_length": 64},
-        train_size=(8, 8),  # LoRA steps of 16 x 16 move < 1e-4 (the algorithm tests' floor)
-        stock_layout=_flux2_klein_stock_layout,
-        stock_negative=False,  # the pipeline's negative prompt is always ""
-    ),
-    Family(
-        "hunyuan_video15",
-        ((32, 48), (48, 32)),
-        size=(32, 48),
-        prompts=("a red cat", 'a sign that says "hello world"', "dog", 'a "STOP" sign'),
-        num_frames=5,
-        sde_window=(1, 0, 3),
-        x0_seed=3,
-        train_size=(32, 48),
-        load_lora=_load_transformer_lora,
-        stock_guidance=_guider_scale,
-    ),
-    _QWEN_IMAGE_EDIT,
-    replace(_QWEN_IMAGE_EDIT, kind="qwen_image_edit_plus", sources=_two_sources),  # two sources
-    Family(  # both sizes of one area: the stock call's max_area keeps them as given
-        "flux_kontext",
-        ((128, 192), (192, 128)),
-        size=(64, 128),
-        options={"max_sequence_length": 16},
-        cfg_options={"true_cfg_scale": 4.0},
-        call_options={"max_sequence_length": 16, "max_area": 128 * 192},
-        guidance=2.5,
-        train_size=(64, 64),
-        # one 2:1 source per prompt (at least 64 px: the pipeline floors the image's size to
-        # its multiple, 64, before reading the aspect ratio): resized to 1408 x 704 (242 tokens)
-        sources=lambda: [[_random_image(i, 80, 144)] for i in range(4)],
-    ),
-)
+#: every family's conformance entry, from the registry (``flowgrpo.testing.families``)
+FAMILIES: tuple[Family, ...] = doubles()
 
 
 def family(kind: str) -> Family:
     """The ``FAMILIES`` entry of ``kind``."""
-    return next(f for f in FAMILIES if f.kind == kind)
+    return double(kind)
 
 
 def _rollout(fam: Family, adapter: Any, prompts: Sequence[str], **kw: Any) -> Any:

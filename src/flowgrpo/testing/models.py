@@ -1,4 +1,4 @@
-"""Tiny models for tests: the real tiny diffusers pipelines (``flowgrpo.models.tiny``), a
+"""Tiny models for tests: the real tiny diffusers pipelines (``flowgrpo.testing.tiny``), a
 transformer-only SD3 adapter for engine tests (no text encoder, no VAE: a forward costs a few
 milliseconds) and a saved random-weight toy for runs that must not depend on the shipped asset."""
 
@@ -10,12 +10,11 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds, Schedule
-from flowgrpo.models.tiny import TINY_KINDS, TINY_VIDEO_KINDS, tiny_pipeline, tiny_size
+from flowgrpo.testing.tiny import kinds, tiny_pipeline, tiny_size
 
 __all__ = [
-    "TINY_KINDS",
-    "TINY_VIDEO_KINDS",
     "TinyAdapter",
+    "kinds",
     "random_toy_path",
     "tiny_pipeline",
     "tiny_size",

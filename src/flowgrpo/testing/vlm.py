@@ -43,10 +43,10 @@ def save_tiny_vl_judge(folder: str | Path, seed: int = 0, yes_no_gain: float = 2
         Qwen2VLImageProcessorPil,
     )
 
-    from flowgrpo.models.tiny import _qwen_tokenizer
+    from flowgrpo.testing.families._parts import qwen_tokenizer
 
     folder = Path(folder)
-    tok = _qwen_tokenizer()
+    tok = qwen_tokenizer()
     vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tok.add_tokens(vision, special_tokens=True)
     tok.add_tokens(["Yes", "No"])

@@ -1,0 +1,84 @@
+"""One module per registered family (``flowgrpo.models.registry.families()``), named as the
+family: its tiny pipeline builder and its ``Family`` lines (``DOUBLES``: the test doubles and
+their conformance entries, one per pipeline class or variant, e.g. Wan2.1 and Wan2.2).
+
+Every per-family list of the tests comes from here, and so from the registry: a family added
+to the registry with its module here is covered by every test of what it declares, without
+editing a test. ``params`` and ``core`` are the one place a family's cost tier picks a CI
+subset.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from flowgrpo.testing.family import Family
+
+
+@functools.cache
+def doubles() -> tuple[Family, ...]:
+    """Every family's test doubles, in registry order (imports each family's module; a
+    registered family without one is an error naming the module to write)."""
+    from flowgrpo.models.registry import families
+
+    out: list[Family] = []
+    for name, pipelines in families().items():
+        module_name = f"{__name__}.{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            raise ModuleNotFoundError(
+                f"family {name!r} ({', '.join(pipelines)}) has no test double: write "
+                f"src/flowgrpo/testing/families/{name}.py with its DOUBLES"
+            ) from None
+        out += module.DOUBLES
+    return tuple(out)
+
+
+def double(kind: str) -> Family:
+    """The test double of ``kind`` (ValueError naming the known kinds)."""
+    for fam in doubles():
+        if fam.kind == kind:
+            return fam
+    raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {kinds()}")
+
+
+def kinds(where: Callable[[Family], Any] | None = None) -> tuple[str, ...]:
+    """The kinds of every test double, or of those for which ``where(family)`` is true (a
+    capability: ``lambda f: f.num_frames`` for the video families)."""
+    return tuple(f.kind for f in doubles() if where is None or where(f))
+
+
+def of(family: str) -> tuple[str, ...]:
+    """The kinds of one registered family's test doubles (``"wan"`` -> Wan2.1 and Wan2.2),
+    for the tests of that family's own module."""
+    from flowgrpo.models.registry import families
+
+    if family not in families():
+        raise ValueError(f"unknown family {family!r}; registered: {', '.join(families())}")
+    return kinds(lambda f: f.pipeline_class in families()[family])
+
+
+def core(fam: Family | str) -> bool:
+    """Whether ``fam`` (a family or a kind) runs the cross-products CI time cannot afford for
+    every family (every algorithm x LoRA/full): its tier is "core"."""
+    return (double(fam) if isinstance(fam, str) else fam).tier == "core"
+
+
+def params(fams: Iterable[Family | str], marks: Iterable[Any] = ()) -> list[Any]:
+    """``fams`` (families or kinds) as pytest parameters with the kind as id; the families of
+    the "slow" tier carry ``pytest.mark.slow`` (``make test-fast`` skips them, ``make test``
+    runs them). With ``core``, the one place a cost tier chooses a CI subset."""
+    import pytest
+
+    out = []
+    for fam in fams:
+        f = double(fam) if isinstance(fam, str) else fam
+        tier = [pytest.mark.slow] if f.tier == "slow" else []
+        out.append(pytest.param(fam, id=f.kind, marks=[*tier, *marks]))
+    return out
