@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flowgrpo.models.sd3 import SD3Adapter
-from flowgrpo.models.tiny import tiny_pipeline
 from flowgrpo.rollout import BranchSpec, SDEWindow, sample_trajectories, trajectory_log_prob
+from flowgrpo.testing.tiny import tiny_pipeline
 
 H, W = 16, 24
 TOY_TREE = BranchSpec((0, 2, 4, 6), (2, 2, 2, 2))  # the bench's tree: 16 leaves, 10 steps
@@ -89,6 +89,13 @@ def test_every_node_recomputes_its_log_prob_and_shared_steps_are_one(sd3):
                 out = trajectory_log_prob(sd3, sd3.transformer, traj, k, index)
                 worst = max(worst, (out.log_prob - traj.log_probs[index, k]).abs().max().item())
     assert worst < 1e-6
+    # the update's packing: any (row, step) cells as one-step samples recompute the same
+    rows, steps = torch.tensor([7, 0, 2, 5]), torch.tensor([2, 0, 1, 1])
+    flat = traj.cells(rows, steps)
+    assert flat.latents.shape[:2] == (4, 2) and flat.num_train_steps == 1
+    with torch.enable_grad():
+        out = trajectory_log_prob(sd3, sd3.transformer, flat, 0)
+    assert (out.log_prob - traj.log_probs[rows, steps]).abs().max().item() < 1e-6
 
 
 def test_a_tree_is_the_same_in_any_batch(sd3):

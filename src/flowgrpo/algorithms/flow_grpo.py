@@ -160,13 +160,13 @@ class FlowGRPO(Algorithm):
 
     def tree_update(self, trajectory: Trajectory, leaf_adv: torch.Tensor) -> dict[str, float]:
         """The update on a branching rollout: the leaves' group advantages [B] become one
-        advantage per edge (``sample.branching.estimator`` / ``fusion``, ``algo.tree``), each
-        edge trains once (on its first row), less the pruned ones and, with
+        advantage per edge (``sample.branching.estimator`` / ``fusion``, ``algo.tree``); each
+        edge trains once (from its first row), less the pruned ones and, with
         ``skip_zero_advantage``, those whose advantage is 0 (every edge before a tree's first
-        split under ``depth``). An edge's term weighs 1 / (edges per tree x trees in the
-        minibatch): the loss is each tree's mean over its edges (BranchGRPO's normalization),
-        averaged over trees. A micro-batch with no edge at a step still forwards one row, with
-        weight 0, so every rank runs the same forwards."""
+        split under ``depth``). The edges, whatever their step, are packed into micro-batches
+        as one-step samples (``Trajectory.cells``), so a tree's shared steps cost one forward
+        each; each optimizer step's loss is the mean over its edges on all ranks. Adds
+        ``tree_edges_trained`` (all ranks)."""
         spec, b = trajectory.branching, self.cfg.sample.branching
         batch, num_steps = len(trajectory), trajectory.num_train_steps
         edge_adv = tree_advantages(
@@ -181,26 +181,22 @@ class FlowGRPO(Algorithm):
         )
         if self.settings.skip_zero_advantage:
             active &= edge_adv != 0
-        trees = active.reshape(-1, spec.leaves, num_steps).any(dim=(1, 2))
-        rows = trees.repeat_interleave(spec.leaves).nonzero().squeeze(1)  # whole trees
-        per_cell = spec.leaves * num_steps / spec.edges(num_steps)
-        edge_adv = edge_adv.to(trajectory.latents.device)
+        cells = active.nonzero()  # [C, 2]: (row, trained step), each edge once
+        pad = cells if len(cells) else torch.zeros(1, 2, dtype=torch.long)  # plan's padding row
+        flat = trajectory.cells(pad[:, 0], pad[:, 1])
+        flat_adv = edge_adv[pad[:, 0], pad[:, 1]].to(trajectory.latents.device)
 
         def micro_loss(sub, index, scale, k):
-            on = active[index.cpu(), k].nonzero().squeeze(1)
-            if on.numel() == 0:  # no edge here: one row, weight 0 (the ranks forward alike)
-                terms = self.step_loss(sub.select([0]), edge_adv[index[:1].cpu(), k] * 0, k)
-                return [t * 0 for t in terms]
-            part = sub.select(on)
-            terms = self.step_loss(part, edge_adv[index.cpu()[on], k] * scale, k)
-            return [t * (per_cell * on.numel() / len(index)) for t in terms]
+            return self.step_loss(sub, flat_adv[index.to(flat_adv.device)] * scale, 0)
 
-        steps, total = self.update_loop(trajectory, rows, self.keys, micro_loss, num_steps)
+        rows = torch.arange(len(cells))
+        steps, edges = self.update_loop(flat, rows, self.keys, micro_loss, 1)
         out = self.summarize(steps, self.keys)
-        out["samples_trained"] = float(total)
-        out["samples_dropped"] = float(batch * self.engine.dp_size - total)
-        edges = self.engine.mean_over_ranks(torch.tensor([float(active.sum())]))
-        out["tree_edges_trained"] = float(edges[0]) * self.engine.dp_size
+        trees = active.reshape(-1, spec.leaves, num_steps).any(dim=(1, 2))
+        kept = self.engine.mean_over_ranks(torch.tensor([float(trees.sum() * spec.leaves)]))
+        out["samples_trained"] = float(kept[0]) * self.engine.dp_size
+        out["samples_dropped"] = float(batch * self.engine.dp_size) - out["samples_trained"]
+        out["tree_edges_trained"] = float(edges)
         return out
 
     def policy_and_reference(

@@ -102,6 +102,31 @@ class Trajectory:
             out[f.name] = v
         return Trajectory(**out)
 
+    def cells(self, rows: torch.Tensor, steps: torch.Tensor) -> Trajectory:
+        """Trained step ``steps[i]`` of sample ``rows[i]``, for each i, as a trajectory of one
+        trained step per row (latents [C, 2, ...]: before and after it): a branching update
+        packs a tree's edges, whatever their step, into full micro-batches."""
+        r, k = torch.as_tensor(rows).long().cpu(), torch.as_tensor(steps).long().cpu()
+        per_step = ("log_probs", "sigmas", "sigmas_next", "timesteps", "step_indices", "means")
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "latents":
+                rv, kv = r.to(v.device), k.to(v.device)
+                v = torch.stack([v[rv, kv], v[rv, kv + 1]], dim=1)
+            elif f.name in per_step and v is not None:
+                v = v[r.to(v.device), k.to(v.device)][:, None]
+            elif isinstance(v, torch.Tensor):
+                v = v[r.to(v.device)]
+            elif isinstance(v, PromptEmbeds):
+                v = v.select(r)
+            elif f.name == "prompts":
+                v = [self.prompts[i] for i in r.tolist()]
+            elif f.name == "branching":
+                v = None
+            out[f.name] = v
+        return Trajectory(**out)
+
     @staticmethod
     def cat(parts: list[Trajectory]) -> Trajectory:
         """Concatenate rollout chunks along the batch (settings must agree)."""
