@@ -187,10 +187,14 @@ def job_minibatches(rank: int, world: int, port: int, out: str) -> None:
 # branching rollouts (sample.branching): 2 trees of 4 leaves, one per rank at 2 ranks; each
 # algorithm that takes them, its edges trained once with the tree's advantages
 TREE_CASES = [
-    ("flow_grpo", "toy", "full"),
-    ("grpo_guard", "toy", "lora"),
-    ("mix_grpo", "toy", "full"),
-    ("flow_dppo", "toy", "full"),
+    c
+    for c in [
+        ("flow_grpo", "toy", "full"),
+        ("grpo_guard", "toy", "lora"),
+        ("mix_grpo", "toy", "full"),
+        ("flow_dppo", "toy", "full"),
+    ]
+    if c[0] in ALGORITHMS  # FLOWGRPO_TEST_ALGORITHMS narrows them too
 ]
 TREE = {
     "sample.group_size": 4,
