@@ -75,6 +75,22 @@ ROWS = (
         "nft",
         (REFILL,),
         "nft_tuned + refill: constant groups resampled, 2 rounds, <= 10 extra groups a step",
+    Row(
+        "flow_grpo_branch",
+        "flow_grpo",
+        ("sample.branching.split_steps=[0,2,4,6]", "sample.branching.factors=[2,2,2,2]"),
+        "BranchGRPO tree: splits at steps 0, 2, 4, 6 into 2 (16 leaves), depth advantages",
+    ),
+    Row(
+        "mix_grpo_branch",
+        "mix_grpo",
+        (
+            "sample.branching.split_steps=[0,1,2,3]",
+            "sample.branching.factors=[2,2,2,2]",
+            "sample.branching.estimator=backup",
+            "sample.branching.fusion=logprob",
+        ),
+        "TreeGRPO tree: every window step splits into 2 (16 leaves), log-prob backup",
     ),
 )
 ALGORITHMS = tuple(r.key for r in ROWS)  # the table's rows, in order

@@ -188,3 +188,71 @@ def job_minibatches(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         torch.save(results, out)
     cleanup()
+
+
+# branching rollouts (sample.branching): 2 trees of 4 leaves, one per rank at 2 ranks; each
+# algorithm that takes them, its edges trained once with the tree's advantages
+TREE_CASES = [
+    c
+    for c in [
+        ("flow_grpo", "toy", "full"),
+        ("grpo_guard", "toy", "lora"),
+        ("mix_grpo", "toy", "full"),
+        ("flow_dppo", "toy", "full"),
+    ]
+    if c[0] in ALGORITHMS  # FLOWGRPO_TEST_ALGORITHMS narrows them too
+]
+TREE = {
+    "sample.group_size": 4,
+    "sample.branching": {"split_steps": [0, 1], "factors": [2, 2]},
+    "mix_grpo.shift_interval": 1000,  # its window stays [0, 2): the tree's two splits fit
+}
+TREE_PROMPTS = [PROMPTS[0]] * 4 + [PROMPTS[1]] * 4
+LEAF_ADVANTAGES = torch.tensor([1.0, -0.5, 0.8, -1.3, 0.2, 0.2, -0.9, 0.5])
+
+
+def run_tree(algorithm: str, kind: str, mode: str, rank: int = 0, world: int = 1) -> dict:
+    """One branching rollout of step 1 (each rank its trees, noise by global sample index) and
+    one update: the trainable params after it, the metrics and the rollout."""
+    from flowgrpo.engine import init_distributed
+    from flowgrpo.models import build_adapter
+    from flowgrpo.rollout import sample_trajectories
+    from flowgrpo.trainer.setup import build_engine, sample_seed
+
+    cfg = config(algorithm, kind, mode, **TREE)
+    dist = init_distributed()
+    adapter = build_adapter(pipeline(kind), **family(kind).train_options)
+    engine, algo = build_engine(cfg, adapter, dist)
+    share = len(TREE_PROMPTS) // world
+    mine = list(range(rank * share, (rank + 1) * share))
+    plan = algo.rollout_plan(1)
+    gens = [torch.Generator().manual_seed(sample_seed(cfg.seed, 1, i)) for i in mine]
+    with torch.no_grad(), algo.rollout_weights():
+        traj = sample_trajectories(
+            adapter,
+            [TREE_PROMPTS[i] for i in mine],
+            height=cfg.model.height,
+            width=cfg.model.width,
+            generator=gens,
+            decode=False,
+            **plan.sampler_kwargs(),
+        )
+    seeds = [sample_seed(cfg.seed, 1, i) for i in mine]
+    metrics = algo.update(traj, LEAF_ADVANTAGES[mine], step=1, sample_seeds=seeds)
+    return {"params": full_trainable(engine.model), "metrics": metrics, "traj": traj}
+
+
+def job_tree(rank: int, world: int, port: int, out: str) -> None:
+    rank_env(rank, world, port)
+    from flowgrpo.engine import cleanup
+
+    results = {}
+    for case in TREE_CASES:
+        try:
+            got = run_tree(*case, rank=rank, world=world)
+            results[case] = {k: got[k] for k in ("params", "metrics")}
+        except Exception as e:  # noqa: BLE001 - reported by the test, not a hang
+            results[case] = {"error": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        torch.save(results, out)
+    cleanup()

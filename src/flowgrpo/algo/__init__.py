@@ -1,6 +1,7 @@
 """The math the algorithms share (imports torch only): Flow-GRPO's SDE steps with log-probs,
 group-relative advantages, the clipped policy loss and KL, and the sampler's ODE math (the
-DPM-Solver++ 2M step, the fixed-shift sigma grid). Each algorithm's own math lives in its file
+DPM-Solver++ 2M step, the fixed-shift sigma grid) and the branching rollouts' tree (its
+advantage estimators and pruning). Each algorithm's own math lives in its file
 under ``flowgrpo.algorithms``."""
 
 from flowgrpo.algo.advantages import (
@@ -14,9 +15,11 @@ from flowgrpo.algo.dpm_solver import DPMSolverStep, dpm_solver_2m_step
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import SDE_TYPES, SDEStepOutput, sde_step_with_logprob
 from flowgrpo.algo.time_shift import time_shift_grid
+from flowgrpo.algo.tree import BranchSpec, train_mask, tree_advantages
 
 __all__ = [
     "SDE_TYPES",
+    "BranchSpec",
     "CombinedRewards",
     "DPMSolverStep",
     "SDEStepOutput",
@@ -28,5 +31,7 @@ __all__ = [
     "reward_stats",
     "sde_step_with_logprob",
     "time_shift_grid",
+    "train_mask",
+    "tree_advantages",
     "zero_std_ratio",
 ]

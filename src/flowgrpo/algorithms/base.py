@@ -23,7 +23,7 @@ import torch
 
 from flowgrpo.algo.advantages import CombinedRewards, combine_rewards
 from flowgrpo.algo.time_shift import time_shift_grid
-from flowgrpo.rollout import SDEWindow, Trajectory, trained_step_count
+from flowgrpo.rollout import BranchSpec, SDEWindow, Trajectory, trained_step_count
 from flowgrpo.settings import ge, setting
 
 
@@ -46,7 +46,8 @@ class RolloutPlan:
     ``ode_solver``: "euler", or "dpm2" (DPM-Solver++ 2M) for the ODE steps after the SDE
     window; ``record_means``: keep each trained step's Gaussian mean (the old policy's);
     ``train``: False when this step has nothing to train (the update is skipped);
-    ``num_frames``: frames per video (None: the adapter's default, or an image family)."""
+    ``num_frames``: frames per video (None: the adapter's default, or an image family);
+    ``branching``: each group one tree (``sample.branching``), None for independent samples."""
 
     num_steps: int
     guidance_scale: float
@@ -59,6 +60,7 @@ class RolloutPlan:
     ode_solver: str = "euler"
     record_means: bool = False
     num_frames: int | None = None
+    branching: BranchSpec | None = None
     train: bool = True
 
     def sampler_kwargs(self) -> dict[str, Any]:
@@ -76,6 +78,9 @@ class Algorithm(ABC):
     #: the engine shadows (fp32 copies of the trained parameters) it keeps besides the EMA,
     #: by name: the memory planner counts them
     shadows: ClassVar[tuple[str, ...]] = ()
+    #: it trains on the SDE rollout's per-step log-probs, so it can take branching rollouts
+    #: (``sample.branching``: one advantage per tree edge)
+    supports_branching: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, engine: Any, adapter: Any) -> None:
         self.cfg, self.engine, self.adapter = cfg, engine, adapter
@@ -146,6 +151,7 @@ class Algorithm(ABC):
             timestep_fraction=s.timestep_fraction,
             deterministic_last_step=s.deterministic_last_step,
             sigmas=None if grid is None else grid.float(),
+            branching=s.branching.spec(),
         )
 
     def rollout_weights(self) -> contextlib.AbstractContextManager:

@@ -18,6 +18,7 @@ import torch
 
 from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.algo.sde import SDEStepOutput
+from flowgrpo.algo.tree import train_mask, tree_advantages
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
 from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
@@ -64,6 +65,7 @@ class FlowGRPO(Algorithm):
     #: its loss needs each trained step's Gaussian mean, recorded by an 'sde' rollout (a
     #: subclass whose ratio or KL is the 'sde' step's sets it: the rule lives here once)
     uses_step_means: ClassVar[bool] = False
+    supports_branching = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -128,7 +130,9 @@ class FlowGRPO(Algorithm):
         sample_seeds: Sequence[int],
     ) -> dict[str, float]:
         """Optimizer steps on this rank's rollout. Returns global means of the loss terms,
-        grad_norm, lr, skipped; optimizer_steps; samples_trained / samples_dropped (global)."""
+        grad_norm, lr, skipped; optimizer_steps; samples_trained / samples_dropped (global).
+        A branching rollout (``trajectory.branching``) trains each tree edge once, with its
+        own advantage (``tree_update``)."""
         batch = len(trajectory)
         adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
         if adv.numel() != batch:
@@ -139,6 +143,8 @@ class FlowGRPO(Algorithm):
             )
         self.check(trajectory)
         adv = adv.to(trajectory.latents.device)
+        if trajectory.branching is not None:
+            return self.tree_update(trajectory, adv)
         rows = self.kept_rows(adv)
 
         def micro_loss(sub, index, scale, k):
@@ -150,6 +156,47 @@ class FlowGRPO(Algorithm):
         out = self.summarize(steps, self.keys)
         out["samples_trained"] = float(total)
         out["samples_dropped"] = float(batch * self.engine.dp_size - total)
+        return out
+
+    def tree_update(self, trajectory: Trajectory, leaf_adv: torch.Tensor) -> dict[str, float]:
+        """The update on a branching rollout: the leaves' group advantages [B] become one
+        advantage per edge (``sample.branching.estimator`` / ``fusion``, ``algo.tree``); each
+        edge trains once (from its first row), less the pruned ones and, with
+        ``skip_zero_advantage``, those whose advantage is 0 (every edge before a tree's first
+        split under ``depth``). The edges, whatever their step, are packed into micro-batches
+        as one-step samples (``Trajectory.cells``), so a tree's shared steps cost one forward
+        each; each optimizer step's loss is the mean over its edges on all ranks. Adds
+        ``tree_edges_trained`` (all ranks)."""
+        spec, b = trajectory.branching, self.cfg.sample.branching
+        batch, num_steps = len(trajectory), trajectory.num_train_steps
+        edge_adv = tree_advantages(
+            leaf_adv, trajectory.log_probs, spec, estimator=b.estimator, fusion=b.fusion
+        )
+        active = train_mask(
+            edge_adv,
+            spec,
+            prune_steps=tuple(b.prune_steps),
+            width=b.width_pruning,
+            width_ratio=b.width_ratio,
+        )
+        if self.settings.skip_zero_advantage:
+            active &= edge_adv != 0
+        cells = active.nonzero()  # [C, 2]: (row, trained step), each edge once
+        pad = cells if len(cells) else torch.zeros(1, 2, dtype=torch.long)  # plan's padding row
+        flat = trajectory.cells(pad[:, 0], pad[:, 1])
+        flat_adv = edge_adv[pad[:, 0], pad[:, 1]].to(trajectory.latents.device)
+
+        def micro_loss(sub, index, scale, k):
+            return self.step_loss(sub, flat_adv[index.to(flat_adv.device)] * scale, 0)
+
+        rows = torch.arange(len(cells))
+        steps, edges = self.update_loop(flat, rows, self.keys, micro_loss, 1)
+        out = self.summarize(steps, self.keys)
+        trees = active.reshape(-1, spec.leaves, num_steps).any(dim=(1, 2))
+        kept = self.engine.mean_over_ranks(torch.tensor([float(trees.sum() * spec.leaves)]))
+        out["samples_trained"] = float(kept[0]) * self.engine.dp_size
+        out["samples_dropped"] = float(batch * self.engine.dp_size) - out["samples_trained"]
+        out["tree_edges_trained"] = float(edges)
         return out
 
     def policy_and_reference(

@@ -178,6 +178,9 @@ def check_schedule(cfg: Any) -> None:
     moves = min((last - 1) // s.shift_interval, n)
     for step in (m * s.shift_interval + 1 for m in range(moves + 1)):
         start, end = window_at(cfg, step)
+        if end > start:  # a tree's splits must fall inside every window it is sampled in
+            where = f"mix_grpo's window [{start}, {end}) at step {step}"
+            cfg.sample.branching.check_steps(end - start, where, cfg.sample.group_size)
         if end > start and s.flash:
             flash_schedule(nominal, end, compress_ratio=s.compress_ratio, shift=s.flash_shift)
         if end <= start and not s.roll_back and s.stride > 0:
@@ -237,6 +240,7 @@ class MixGRPO(FlowGRPO):
         plan.timestep_fraction = 1.0
         if end <= start:  # the authors' empty window: an ODE rollout, nothing to train
             plan.sde_window, plan.noise_level, plan.train = None, 0.0, False
+            plan.branching = None
             return plan
         plan.sde_window = SDEWindow(end - start, start, end)
         if self.settings.flash:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
+from flowgrpo.algo.tree import ESTIMATORS, FUSIONS, WIDTH_PRUNING, BranchSpec
 from flowgrpo.algorithms import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -139,6 +140,102 @@ class ModelConfig:
 
 
 @dataclass
+class BranchingConfig:
+    """Branching rollouts (BranchGRPO, TreeGRPO): each group is one tree that splits into
+    children at chosen trained SDE steps, so its samples share their prefix; off while
+    ``split_steps`` is empty. docs/algorithms.md says when to use it."""
+
+    split_steps: list[int] = setting(
+        help="Trained SDE steps where every node splits, as offsets from the first trained step "
+        "(the window's start with sample.window_size); [] = no branching.",
+        default_factory=list,
+    )
+    factors: list[int] = setting(
+        help="Children per node at each split step; their product must equal sample.group_size.",
+        default_factory=list,
+    )
+    estimator: str = setting(
+        "depth",
+        "Tree advantage: `depth` (BranchGRPO: fused node values standardized per depth) or "
+        "`backup` (TreeGRPO: the leaves' group advantages fused up the tree, as they are).",
+        check=one_of(*ESTIMATORS),
+    )
+    fusion: str = setting(
+        "mean",
+        "How a node's value fuses its children's: `mean`, or `logprob` (weights = softmax of "
+        "the child edges' rollout log-probs: BranchGRPO's --tree_prob_weighted, TreeGRPO's).",
+        check=one_of(*FUSIONS),
+    )
+    prune_steps: list[int] = setting(
+        help="Depth pruning: trained step offsets whose edges are not trained (sampled and "
+        "rewarded all the same).",
+        default_factory=list,
+    )
+    width_pruning: str = setting(
+        "none",
+        "Width pruning of the edges after the last split: `none`, `branch` (each leaf's best "
+        "`width_ratio`) or `extremes` (each tree's best and worst `width_ratio` / 2).",
+        check=one_of(*WIDTH_PRUNING),
+    )
+    width_ratio: float = setting(
+        0.5,
+        "Fraction of the edges after the last split that width pruning keeps.",
+        check=between(0, 1, lo_open=True),
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.split_steps)
+
+    def spec(self) -> BranchSpec | None:
+        """The tree (None when off)."""
+        return BranchSpec(tuple(self.split_steps), tuple(self.factors)) if self.enabled else None
+
+    def check(self) -> None:
+        s, f = self.split_steps, self.factors
+        key = "sample.branching."
+        need(len(f) == len(s), key + "factors", f"one factor per split step ({len(s)})", f)
+        need(all(v >= 2 for v in f), key + "factors", "all >= 2 (children per split)", f)
+        need(
+            all(v >= 0 for v in s) and all(b > a for a, b in zip(s, s[1:])),
+            key + "split_steps",
+            "increasing offsets >= 0",
+            s,
+        )
+        unused = {  # settings a run without a tree (or without width pruning) would ignore
+            "prune_steps": (self.prune_steps, [], not s),
+            "estimator": (self.estimator, "depth", not s),
+            "fusion": (self.fusion, "mean", not s),
+            "width_pruning": (self.width_pruning, "none", not s),
+            "width_ratio": (self.width_ratio, 0.5, self.width_pruning == "none"),
+        }
+        for name, (value, default, idle) in unused.items():
+            why = "without split_steps" if not s else "with width_pruning 'none'"
+            need(not idle or value == default, key + name, f"{default!r} {why}", value)
+
+    def check_steps(self, trained: int, where: str, group_size: int) -> None:
+        """Refuse a tree whose leaves are not ``group_size`` or whose split (or pruned) steps
+        fall outside the ``trained`` SDE steps (``where`` says which they are)."""
+        if not self.enabled:
+            return
+        key = "sample.branching."
+        leaves = BranchSpec(tuple(self.split_steps), tuple(self.factors)).leaves
+        need(
+            leaves == group_size,
+            key + "factors",
+            f"a tree of sample.group_size={group_size} leaves (their product is {leaves})",
+            self.factors,
+        )
+        for name, steps in (("split_steps", self.split_steps), ("prune_steps", self.prune_steps)):
+            need(
+                all(0 <= v < trained for v in steps),
+                key + name,
+                f"offsets inside the {trained} trained SDE steps ({where}): in [0, {trained - 1}]",
+                steps,
+            )
+
+
+@dataclass
 class SampleConfig:
     """Rollout (SDE, training) and eval (ODE) sampling, and the group structure: each step draws
     ``prompts_per_step`` prompts (m, global) and samples each ``group_size`` times (K)."""
@@ -234,10 +331,18 @@ class SampleConfig:
         "(FLUX / Qwen-Image: a resolution-dependent shift). Eval keeps the pipeline's.",
         check=optional(gt(0)),
     )
+    branching: BranchingConfig = field(default_factory=BranchingConfig)
 
     def stochastic_steps(self) -> int:
         """Steps that can be SDE (trained) steps: num_steps, minus the deterministic last one."""
         return self.num_steps - (1 if self.deterministic_last_step else 0)
+
+    def trained_steps(self) -> tuple[int, str]:
+        """How many SDE steps a training rollout records, and what they are (for messages)."""
+        if self.window_size > 0:
+            return self.window_size, f"sample.window_size={self.window_size}"
+        k = max(1, int(self.stochastic_steps() * self.timestep_fraction))
+        return k, f"the first {k} of {self.stochastic_steps()} stochastic steps"
 
     def check(self) -> None:
         if self.deterministic_last_step:
@@ -272,6 +377,29 @@ class SampleConfig:
                 f"window must fit in the {avail} stochastic steps)",
                 self.window_size,
             )
+        if self.branching.enabled:
+            b = self.branching
+            if self.window_size > 0:  # every sample of a tree needs the same window
+                need(
+                    self.window_draw == "step",
+                    "sample.window_draw",
+                    "'step' with sample.branching (a tree's samples share their SDE window)",
+                    self.window_draw,
+                )
+            need(
+                self.noise_level > 0,
+                "sample.noise_level",
+                "> 0 with sample.branching (a split needs stochastic steps)",
+                self.noise_level,
+            )
+            need(
+                self.rollout_batch_size % b.spec().leaves == 0,
+                "sample.rollout_batch_size",
+                f"a multiple of the tree's {b.spec().leaves} leaves with sample.branching",
+                self.rollout_batch_size,
+            )
+            trained, where = self.trained_steps()
+            b.check_steps(trained, where, self.group_size)
 
 
 @dataclass
@@ -475,11 +603,22 @@ class Config:
                 "false: a quantized base is frozen, so only a LoRA run trains on it; set "
                 "lora.enabled=true or model.base_quant=none"
             )
+        if self.sample.branching.enabled:
+            algo = algorithm_class(self.algorithm)
+            names = ", ".join(n for n in ALGORITHMS if algorithm_class(n).supports_branching)
+            need(
+                algo.supports_branching,
+                "sample.branching.split_steps",
+                f"[] with algorithm={self.algorithm} (branching needs an SDE-rollout algorithm: "
+                f"{names})",
+                self.sample.branching.split_steps,
+            )
         algorithm_class(self.algorithm).check_config(self)  # what the algorithm cannot honour
 
 
 __all__ = [
     "AdvantageConfig",
+    "BranchingConfig",
     "Config",
     "ConfigError",
     "DataConfig",

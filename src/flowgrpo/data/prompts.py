@@ -470,7 +470,9 @@ class KRepeatSampler:
     possible only when m > num_prompts, forms two groups). Prompts are drawn epoch by epoch: a
     seeded permutation of all prompts per epoch (identity when ``shuffle=False``), m at a time
     (see ``step_prompts``). The m*K samples are then shuffled with a step-seeded permutation,
-    so a group's K samples spread over ranks. A step's draw depends only on (seed, step).
+    so a group's K samples spread over ranks; with ``whole_groups`` (branching rollouts, whose
+    group is one tree) the groups are shuffled instead and each keeps its K samples
+    consecutive. A step's draw depends only on (seed, step).
     """
 
     def __init__(
@@ -480,6 +482,7 @@ class KRepeatSampler:
         group_size: int,
         seed: int = 0,
         shuffle: bool = True,
+        whole_groups: bool = False,
     ) -> None:
         if num_prompts < 1:
             raise ValueError(f"KRepeatSampler needs at least one prompt, got {num_prompts}")
@@ -489,7 +492,7 @@ class KRepeatSampler:
                 f"{group_size}"
             )
         self.num_prompts, self.m, self.k = num_prompts, prompts_per_step, group_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.whole_groups = seed, shuffle, whole_groups
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _epoch_perm(self, epoch: int) -> np.ndarray:
@@ -527,8 +530,11 @@ class KRepeatSampler:
         """(indices, group_ids) of all m*K samples of ``step``, in global sample order."""
         prompts = self.step_prompts(step)
         groups = np.repeat(np.arange(self.m), self.k)
-        perm = np.random.default_rng([self.seed, _SALT_STEP, step]).permutation(groups.size)
-        groups = groups[perm]
+        rng = np.random.default_rng([self.seed, _SALT_STEP, step])
+        if self.whole_groups:  # branching rollouts: a group's K samples stay together, in order
+            groups = np.repeat(rng.permutation(self.m), self.k)
+        else:
+            groups = groups[rng.permutation(groups.size)]
         return [prompts[g] for g in groups.tolist()], groups.tolist()
 
     def state_dict(self) -> dict[str, int]:
@@ -540,6 +546,7 @@ class KRepeatSampler:
             "prompts_per_step": self.m,
             "group_size": self.k,
             "shuffle": int(self.shuffle),
+            **({"whole_groups": 1} if self.whole_groups else {}),
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -550,6 +557,12 @@ class KRepeatSampler:
                 raise ValueError(
                     f"cannot resume the prompt sampler: {key} was {state[key]}, now {mine[key]}"
                 )
+        was, now = int(state.get("whole_groups", 0)), int(mine.get("whole_groups", 0))
+        if was != now:  # sample.branching on/off lays a step's samples out differently
+            raise ValueError(
+                f"cannot resume the prompt sampler: whole_groups (sample.branching) was {was}, "
+                f"now {now}"
+            )
 
 
 __all__ = [

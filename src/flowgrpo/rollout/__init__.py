@@ -1,5 +1,6 @@
 """Trajectory sampling with exact per-step log-probabilities, and its training-time twin."""
 
+from flowgrpo.algo.tree import BranchSpec
 from flowgrpo.rollout.sampler import (
     SDEWindow,
     Trajectory,
@@ -10,6 +11,7 @@ from flowgrpo.rollout.sampler import (
 )
 
 __all__ = [
+    "BranchSpec",
     "SDEWindow",
     "Trajectory",
     "policy_step",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from flowgrpo.algo.sde import SDEStepOutput, sde_step_with_logprob
+from flowgrpo.algo.tree import BranchSpec
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds
 
 Generators = torch.Generator | list[torch.Generator] | None
@@ -52,6 +53,8 @@ class Trajectory:
     final_latents: pipeline ``output_type="latent"`` layout; images [B, C, H, W] in [0, 1]
     (video adapters: videos [B, C, F, H, W], and ``num_frames`` = F; None for images).
     means [B, K, ...]: each trained step's Gaussian mean, when recorded (GRPO-Guard).
+    branching: the tree of a branching rollout (rows = whole trees' leaves, in order: a shared
+    step is recorded, identical, on every row under it); None for independent samples.
     """
 
     prompts: list[str]
@@ -73,6 +76,7 @@ class Trajectory:
     sde_type: str
     num_frames: int | None = None
     means: torch.Tensor | None = None
+    branching: BranchSpec | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -95,6 +99,31 @@ class Trajectory:
             elif f.name == "prompts":
                 rows = range(len(v))[index] if isinstance(index, slice) else index.tolist()
                 v = [self.prompts[i] for i in rows]
+            out[f.name] = v
+        return Trajectory(**out)
+
+    def cells(self, rows: torch.Tensor, steps: torch.Tensor) -> Trajectory:
+        """Trained step ``steps[i]`` of sample ``rows[i]``, for each i, as a trajectory of one
+        trained step per row (latents [C, 2, ...]: before and after it): a branching update
+        packs a tree's edges, whatever their step, into full micro-batches."""
+        r, k = torch.as_tensor(rows).long().cpu(), torch.as_tensor(steps).long().cpu()
+        per_step = ("log_probs", "sigmas", "sigmas_next", "timesteps", "step_indices", "means")
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "latents":
+                rv, kv = r.to(v.device), k.to(v.device)
+                v = torch.stack([v[rv, kv], v[rv, kv + 1]], dim=1)
+            elif f.name in per_step and v is not None:
+                v = v[r.to(v.device), k.to(v.device)][:, None]
+            elif isinstance(v, torch.Tensor):
+                v = v[r.to(v.device)]
+            elif isinstance(v, PromptEmbeds):
+                v = v.select(r)
+            elif f.name == "prompts":
+                v = [self.prompts[i] for i in r.tolist()]
+            elif f.name == "branching":
+                v = None
             out[f.name] = v
         return Trajectory(**out)
 
@@ -313,6 +342,7 @@ def sample_trajectories(
     record_means: bool = False,
     init_generator: Generators = None,
     images: list[list[torch.Tensor]] | None = None,
+    branching: BranchSpec | None = None,
 ) -> Trajectory:
     """Generate B = len(prompts) images (videos of ``num_frames`` frames for video adapters,
     whose default applies when None) and record the K trained SDE steps of each.
@@ -329,6 +359,13 @@ def sample_trajectories(
     per group seed gives every sample of a group the same starting noise (``sample.same_latent``).
     ``images``: an editing adapter's source images, one list of [3, H, W] tensors in [0, 1]
     per prompt; encoded once with the prompts and recorded in ``prompt_embeds``.
+
+    ``branching``: the B samples are B / L trees of L = ``branching.leaves`` leaves (rows of a
+    tree consecutive, one prompt each): a tree starts from its first row's initial noise and
+    its nodes split at the trained step offsets ``branching.split_steps``, so each transformer
+    call serves every leaf under the node (one per node and step). A node draws its noise from
+    its first leaf's generator (a split's child j from its own first leaf's), so a tree is
+    reproducible in any batch. Every row records its path; ``Trajectory.branching`` says so.
     """
     if ode_solver not in ("euler", "dpm2"):
         raise ValueError(f"ode_solver must be 'euler' or 'dpm2', got {ode_solver!r}")
@@ -364,26 +401,54 @@ def sample_trajectories(
         generator=generator,
     )
 
+    # the frontier: one row per node (per sample without branching); reps[j] = its first leaf
+    reps, splits, span_now = torch.arange(batch), {}, 1
+    if branching is not None:
+        span_now = branching.leaves
+        reps, splits = _tree_frontier(branching, prompts, start, k)
+        latents = latents[reps.to(latents.device)]
+    node_embeds, node_negative = embeds, negative
+    if span_now > 1:
+        node_embeds = embeds.select(reps)
+        node_negative = None if negative is None else negative.select(reps)
+
     # with dpm2, the deterministic steps from here on (after every sample's last SDE step)
     tail_from = int((start + span).max()) if noise_level > 0 else 0
     x, prev_x0 = latents, None
-    all_latents, all_log_probs, all_means = [x], [], []
+    spans, all_latents, all_log_probs, all_means = [span_now], [x], [], []
     for i in range(num_steps):
-        sig = sigmas[i].expand(batch).to(x.device)
-        sig_next = sigmas[i + 1].expand(batch).to(x.device)
-        stochastic = ((start <= i) & (i < start + span)).to(x.device)
+        nodes = len(reps)
+        sig = sigmas[i].expand(nodes).to(x.device)
+        stochastic = ((start <= i) & (i < start + span))[reps].to(x.device)
         if noise_level <= 0:
             stochastic = torch.zeros_like(stochastic)
         v = adapter.velocity(
             transformer,
             x,
             sig,
-            embeds,
-            negative,
+            node_embeds,
+            node_negative,
             guidance_scale=guidance_scale,
             height=height,
             width=width,
         )
+        factor = splits.get(i, 1)
+        if factor > 1:  # one velocity, ``factor`` children: each draws its own noise
+            span_now //= factor
+            reps = (reps[:, None] + span_now * torch.arange(factor)[None, :]).reshape(-1)
+            x, v = x.repeat_interleave(factor, 0), v.repeat_interleave(factor, 0)
+            stochastic = stochastic.repeat_interleave(factor, 0)
+            sig = sigmas[i].expand(len(reps)).to(x.device)
+            node_embeds = embeds.select(reps) if span_now > 1 else embeds
+            node_negative = negative
+            if negative is not None and span_now > 1:
+                node_negative = negative.select(reps)
+            if prev_x0 is not None:
+                prev_x0 = prev_x0.repeat_interleave(factor, 0)
+        sig_next = sigmas[i + 1].expand(len(reps)).to(x.device)
+        gens = generator  # a node draws from its first leaf's generator
+        if branching is not None and isinstance(generator, list):
+            gens = [generator[r] for r in reps.tolist()]
         if ode_solver == "dpm2" and i >= tail_from:
             out = _dpm2_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), prev_x0, sigmas, i)
         else:
@@ -395,16 +460,22 @@ def sample_trajectories(
                 noise_level=noise_level,
                 sde_type=sde_type,
                 sigma_max=sigma_max,
-                generator=generator,
+                generator=gens,
                 stochastic=stochastic,
             )
         if ode_solver == "dpm2":
             prev_x0 = x - float(sigmas[i]) * v  # the data prediction, DPM-Solver's history
         x = out.prev_sample
+        spans.append(span_now)
         all_latents.append(x)
         all_log_probs.append(out.log_prob)
         if record_means:
             all_means.append(out.prev_sample_mean)
+    if branching is not None:  # every row its path: node j covers rows j * span ...
+        leaf = torch.arange(batch)
+        all_latents = [t[(leaf // s).to(t.device)] for t, s in zip(all_latents, spans)]
+        all_log_probs = [t[(leaf // s).to(t.device)] for t, s in zip(all_log_probs, spans[1:])]
+        all_means = [t[(leaf // s).to(t.device)] for t, s in zip(all_means, spans[1:])]
 
     rows = torch.arange(batch)[:, None]
     steps = start[:, None] + torch.arange(k)[None, :]  # [B, K] trained step indices
@@ -432,7 +503,41 @@ def sample_trajectories(
         sde_type=sde_type,
         num_frames=num_frames,
         means=means,
+        branching=branching,
     )
+
+
+def _tree_frontier(
+    spec: BranchSpec, prompts: list[str], start: torch.Tensor, k: int
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """The roots' rows (each tree's first) and {step index: factor} of a branching rollout;
+    ValueError when the rows are not whole trees of one prompt, the trees' SDE windows differ
+    or a split falls outside the K trained steps."""
+    batch, leaves = len(prompts), spec.leaves
+    if batch % leaves:
+        raise ValueError(
+            f"a branching rollout needs whole trees: {batch} samples are not a multiple of the "
+            f"tree's {leaves} leaves (sample.rollout_batch_size and each rank's share of the "
+            "step must be)"
+        )
+    if spec.split_steps[-1] >= k:
+        raise ValueError(
+            f"split step {spec.split_steps[-1]} is outside the {k} trained SDE steps "
+            "(sample.branching.split_steps count from the first one)"
+        )
+    roots = torch.arange(0, batch, leaves)
+    for r in roots.tolist():
+        if any(p != prompts[r] for p in prompts[r : r + leaves]):
+            raise ValueError(
+                f"the samples {r}..{r + leaves - 1} of one tree have different prompts"
+            )
+    first = int(start[0])
+    if bool((start != first).any()):
+        raise ValueError(
+            "a branching rollout needs one SDE window for all its samples: use "
+            "sample.window_draw=step"
+        )
+    return roots, {first + s: f for s, f in zip(spec.split_steps, spec.factors)}
 
 
 def _dpm2_step(v, x, sigma, sigma_next, prev_x0, sigmas, i) -> SDEStepOutput:

@@ -131,6 +131,7 @@ def build_data(cfg: Any) -> tuple[Any, Any, Any]:
         cfg.sample.group_size,
         seed=cfg.seed,
         shuffle=cfg.data.shuffle,
+        whole_groups=cfg.sample.branching.enabled,  # one tree per group, on one rank
     )
     return train, sampler, repeat_for_eval(ev, cfg.data.eval_samples_per_prompt)
 
