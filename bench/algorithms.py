@@ -75,6 +75,7 @@ ROWS = (
         "nft",
         (REFILL,),
         "nft_tuned + refill: constant groups resampled, 2 rounds, <= 10 extra groups a step",
+    ),
     Row(
         "flow_grpo_branch",
         "flow_grpo",
