@@ -24,6 +24,7 @@ from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.config.loader import config_to_dict
 from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
+from flowgrpo.config.schema import flat_keys
 from flowgrpo.data.prompts import check_divides, rank_slice, source_images
 from flowgrpo.engine.dist import (
     DistInfo,
@@ -37,9 +38,11 @@ from flowgrpo.errors import RunError, TrainingDiverged
 from flowgrpo.rewards import AsyncRewardScorer
 from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
+from flowgrpo.trainer import guard as guard_rule
 from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources, reward_notes, save_grid, save_images
 from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
+from flowgrpo.trainer.preference import gold_metrics, pairwise_eval, pairwise_rewards
 from flowgrpo.trainer.quiet import quiet_known_noise
 from flowgrpo.trainer.run_files import tidy_on_start
 
@@ -65,10 +68,14 @@ class Run:
         # frames per video (None: an image family), checked once; every rollout plan carries it
         self.num_frames = self.adapter.check_num_frames(cfg.model.num_frames)
         self.reward = self.eval_reward = self.train_data = self.sampler = self.eval_set = None
+        self.gold = None
+        # this rank's eval images of the base model: what pairwise rewards judge evals against
+        self.base_images: torch.Tensor | None = None
         if purpose in ("train", "eval"):
             self.reward = setup.build_rewards(cfg.reward, dist.device)
             # eval only, the whole set at once
             self.eval_reward = setup.build_rewards(cfg.eval_reward, dist.device)
+            self.gold = setup.build_rewards(cfg.eval.gold_reward, dist.device)  # never trained
             if purpose == "train":
                 self.train_data, self.sampler, self.eval_set = setup.build_data(cfg)
             else:
@@ -302,6 +309,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     traj, local, reward_s = score(run, plan, prompts, metadata, mine, step, locations, mine_groups)
     t2 = time.perf_counter()
     rewards = gather_rewards(run, local)
+    rewards.update(pairwise_rewards(run, traj.images, prompts, metadata, groups))  # win rates
     group_ids = torch.tensor(groups)
     combined = run.algorithm.advantages(rewards, run.reward.weights_of(rewards), group_ids)
     advantages = combined.advantages[start : start + count].to(dist.device)
@@ -367,10 +375,9 @@ class EvalGrid(NamedTuple):
     sources: torch.Tensor | None = None
 
 
-def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
-    """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
-    grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
-    eval", "eval at step 4")."""
+def eval_images(run: Run) -> tuple[list[int], int, list[str], list[dict], torch.Tensor]:
+    """This rank's eval samples: (indices, how many are real, prompts, metadata, images of
+    the real ones), ODE with the fixed eval noise."""
     ev = run.eval_set
     idx, real = setup.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
@@ -384,11 +391,28 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
             eval=True,
             images=source_images(metadata),
         ).images[:real]
+    return idx, real, prompts, metadata, images
+
+
+def evaluate(
+    run: Run, when: str = "eval", base: dict[str, float] | None = None
+) -> tuple[dict[str, float], EvalGrid]:
+    """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
+    grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
+    eval", "eval at step 4"); ``base``: the base eval's metrics (the gold gap's reference;
+    None at the base eval itself)."""
+    ev = run.eval_set
+    idx, real, prompts, metadata, images = eval_images(run)
+    if run.base_images is None:  # the base eval: what pairwise rewards judge later evals by
+        run.base_images = images.detach().cpu().clone()
     where = [ev.locations[i] for i in idx[:real]]
     local = None
     if run.engine.sp_rank == 0:  # an SP group scores once
         with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, when):
             local = run.reward(images, prompts[:real], metadata[:real])
+            local.update(
+                pairwise_eval(run, images, run.base_images, prompts[:real], metadata[:real])
+            )
     rewards = gather_rewards(run, local)
     total = sum((run.reward.weight_of(k) or 0.0) * v for k, v in rewards.items())
     out = {"eval/reward_mean": float(total.mean())}
@@ -407,6 +431,11 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
         out.update(
             {f"eval/{name.rpartition('/')[2]}": float(v.mean()) for name, v in scores.items()}
         )
+    if run.gold is not None:  # gold rewards: never trained on, every image at once
+        every = torch.cat(gather_group_firsts(run, images))
+        with reward_failures(run.gold, every, ev.prompts, ev.metadata, ev.locations, when):
+            scores = run.gold(every, ev.prompts, ev.metadata)
+        out.update(gold_metrics(run.gold, scores, base, out))
     grid = torch.cat(shown).float() / 255 if run.dist.is_main else torch.empty(0)
     order = sorted(run.grid_index)  # the grid's images, in the global order of `shown`
     if sources is not None:
@@ -423,23 +452,59 @@ def run_training(cfg: Any) -> dict[str, Any]:
     """Train per ``cfg``; returns {"base": eval metrics, "final": eval metrics, "steps",
     "samples", "wall_s", "output_dir", paths of the figures}. The run folder is locked while
     it runs (``setup.lock_output_dir``), released however it ends."""
+    from flowgrpo.config.loader import rollback_config
+
+    rollback: GuardRollback | None = None
     try:
-        return _run_training(cfg)
+        while True:
+            try:
+                return _run_training(cfg, rollback)
+            except GuardRollback as rb:  # the guard: resume from the best-gold checkpoint
+                setup.release_output_dir()
+                rollback, cfg = rb, rollback_config(cfg)  # with guard.on_rollback applied
     finally:
         setup.release_output_dir()
 
 
-def _run_training(cfg: Any) -> dict[str, Any]:
+class GuardRollback(Exception):
+    """The guard tripped with ``guard.action=rollback``: resume from ``target`` (the best-gold
+    checkpoint at or before the peak) with ``record`` (the guard's, as it tripped)."""
+
+    def __init__(self, target: Path, record: dict[str, Any], line: str) -> None:
+        super().__init__(line)
+        self.target, self.record, self.line = target, record, line
+
+
+def _recorded_settings(checkpoint: Path) -> dict[str, Any]:
+    """The settings earlier rollbacks applied (``guard.on_rollback``), from the checkpoint's
+    trainer state: a resume after a rollback runs with them, as the run did."""
+    import json
+
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return dict((state.get("guard") or {}).get("applied") or {})
+
+
+def _run_training(cfg: Any, rollback: GuardRollback | None = None) -> dict[str, Any]:
     wall0 = time.perf_counter()
     dist = init_distributed()
     seed_everything(cfg.seed, dist.rank)
     tr = cfg.trainer
     if dist.world_size % cfg.fsdp.sp_degree == 0:  # a clear error before the folder or model
         check_divides(setup.global_batch_size(cfg), dist.world_size // cfg.fsdp.sp_degree)
-    out = setup.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
+    out = setup.prepare_output_dir(cfg, dist, fresh=tr.resume in (None, "") and not rollback)
     ckpt_root = out / "checkpoints"
-    resume_from = setup.resolve_resume(tr.resume, ckpt_root)
-    if resume_from is not None:  # before anything heavy loads
+    resume_from = rollback.target if rollback else setup.resolve_resume(tr.resume, ckpt_root)
+    applied: dict[str, Any] = {}
+    if resume_from is not None and rollback is None:  # before anything heavy loads
+        applied = _recorded_settings(resume_from)
+        if applied:  # the run rolled back before: it continues with what the rollback set
+            from flowgrpo.config.loader import apply_settings
+
+            cfg = apply_settings(cfg, applied)
+            tr = cfg.trainer
         check_resume(cfg, resume_from)
     record = record_text(cfg)  # config.yaml of the run folder and of each checkpoint
     if dist.is_main:
@@ -456,6 +521,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
 
     state: dict[str, Any] = {"step": 0, "samples": 0, "base_eval": None}
     if resume_from is not None:
+        if run.reward.pairwise_labels:  # the base model's eval images, before the weights load
+            run.base_images = eval_images(run)[4].detach().cpu().clone()
         _, extra = load_checkpoint(run.engine, resume_from)
         run.checkpoint = resume_from
         state.update(extra or {})
@@ -463,6 +530,19 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
         state["run_id"] = setup.new_run_id()
+    if rollback is not None:  # the tripped run's record, back at the target's step
+        grec = rollback.record
+        guard_rule.forget_after(grec, state["step"])
+        grec["rollbacks"] = int(grec.get("rollbacks", 0)) + 1
+        grec["applied"] = {**grec.get("applied", {}), **flat_keys(cfg.guard.on_rollback)}
+        grec["events"].append(
+            {"action": "rollback", "to_step": state["step"], "line": rollback.line}
+        )
+        state["guard"] = grec
+    state.setdefault("guard", guard_rule.new_record())
+    if dist.is_main:
+        guard_rule.drop_missing(state["guard"])  # checkpoints pruned meanwhile
+    state["guard"] = all_gather_object(state["guard"])[0]  # rank 0's view of the disk
     # a resume (or resume=auto finding no checkpoint to take: from step 0) abandons what is later
     resumed_step = state["step"] if resume_from is not None or tr.resume == "auto" else None
     notes = tidy_on_start(out, ckpt_root, resumed_step, state["run_id"]) if dist.is_main else []
@@ -496,11 +576,20 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     )
     for line in notes:
         logger.write(line)
+    if applied:
+        logger.write(f"guard: this run rolled back before; resuming with {applied}")
+    if rollback is not None:
+        n = state["guard"]["rollbacks"]
+        logger.write(
+            f"{rollback.line}; rollback {n} of {cfg.guard.max_rollbacks}: resumed from "
+            f"{resume_from} with {flat_keys(cfg.guard.on_rollback) or 'no setting changed'}"
+        )
     if run.engine.optim_changes:
         logger.write(setup.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
         t = time.perf_counter()
         state["base_eval"], grid = evaluate(run, "base eval")
+        _record_eval(run, state, 0, state["base_eval"])
         logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})  # deterministic
         logger.write(f"base eval: {time.perf_counter() - t:.1f} s")
         if dist.is_main:
@@ -514,8 +603,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
                 grid.sources,
             )
             logger.log_images("eval/images", grid.images, 0, run.grid_cols, *grid[1:])
-    final_eval, grid, checkpoint_s = None, None, None
-    while state["step"] < tr.max_steps:
+    final_eval, grid, checkpoint_s, trip = None, None, None, None
+    while state["step"] < tr.max_steps and trip is None:
         step = state["step"] + 1
         metrics = train_one_step(run, step)
         run.checkpoint, run.rollout_ok = None, False  # new weights: not checked, not saved
@@ -533,14 +622,18 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             )
         if _due(step, tr.eval_every, tr.max_steps):
             t = time.perf_counter()
-            final_eval, grid = evaluate(run, f"eval at step {step}")
+            final_eval, grid = evaluate(run, f"eval at step {step}", state["base_eval"])
+            trip = _record_eval(run, state, step, final_eval)
             row.update(final_eval)
             row["time/eval_s"] = time.perf_counter() - t
             logger.log_eval({"step": step, "samples": state["samples"], **final_eval})
             logger.log_images("eval/images", grid.images, step, run.grid_cols, *grid[1:])
         logger.log_step(row)
-        if _due(step, tr.save_every, tr.max_steps):
+        # a trip saves its step: a resume continues from it, a rollback retires it
+        if _due(step, tr.save_every, tr.max_steps) or trip is not None:
             t = time.perf_counter()
+            if run.gold is not None:  # the record names the checkpoint it is saved in
+                guard_rule.record_checkpoint(state["guard"], step, ckpt_root / f"step_{step}")
             run.checkpoint = save_checkpoint(
                 run.engine,
                 ckpt_root,
@@ -553,9 +646,21 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             checkpoint_s = time.perf_counter() - t
             if run.rollout_ok and dist.is_main:  # this step's eval was finite: a good one
                 mark_checkpoint(run.checkpoint, ROLLOUT_OK)
+            if run.gold is not None and dist.is_main:  # best.json, KEEP markers
+                guard_rule.write_best(out, state["guard"])
+        if trip is not None:
+            trip = _act_on_trip(cfg, state, trip, logger)
+            if dist.is_main:  # best.json with the stop
+                guard_rule.write_best(out, state["guard"])
     if final_eval is None:  # resumed at the end already: evaluate the final weights again
-        final_eval, grid = evaluate(run, f"eval at step {state['step']}")
+        final_eval, grid = evaluate(run, f"eval at step {state['step']}", state["base_eval"])
     summary: dict[str, Any] = {
+        # the guard: the line it stopped the run with (None: it did not), its rollbacks
+        "guard": {
+            "stopped": trip,
+            "rollbacks": int(state["guard"].get("rollbacks", 0)),
+            "events": list(state["guard"].get("events", [])),
+        },
         "base": state["base_eval"],
         "final": final_eval,
         "steps": state["step"],
@@ -573,6 +678,40 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     return summary
 
 
+def _record_eval(run: Run, state: dict[str, Any], step: int, metrics: dict) -> Any:
+    """Add the eval to the guard record (runs with gold rewards) -> the guard's Trip, or
+    None (no trip, or no guard)."""
+    from flowgrpo.trainer.preference import GOLD_SCORE
+
+    if run.gold is None:
+        return None
+    rec = state["guard"]
+    guard_rule.record_eval(rec, step, metrics["eval/reward_mean"], metrics[GOLD_SCORE])
+    drop = run.cfg.guard.max_gold_drop
+    return None if drop is None or step == 0 else guard_rule.check(rec, drop)
+
+
+def _act_on_trip(cfg: Any, state: dict[str, Any], trip: Any, logger: RunLogger) -> str:
+    """The guard tripped (its step is saved): stop with one line, or raise GuardRollback to
+    resume from the best-gold checkpoint at or before the peak. Returns the stop line."""
+    rec, g = state["guard"], cfg.guard
+    target = guard_rule.best_checkpoint(rec, "gold", up_to=trip.peak.step)
+    if g.action == "rollback" and target is not None and rec["rollbacks"] < g.max_rollbacks:
+        line = guard_rule.trip_line(trip, "rolling back", target)
+        logger.close()
+        raise GuardRollback(Path(target.checkpoint), rec, line)
+    if g.action == "rollback" and target is None:
+        what = "stopped: no checkpoint to roll back to"
+    elif g.action == "rollback":
+        what = f"stopped after {rec['rollbacks']} rollbacks (guard.max_rollbacks)"
+    else:
+        what, target = "stopped", guard_rule.best_checkpoint(rec, "gold")
+    line = guard_rule.trip_line(trip, what, target)
+    rec["events"].append({"action": "stop", "step": trip.now.step, "line": line})
+    logger.write(line)
+    return line
+
+
 def _due(step: int, every: int, last: int) -> bool:
     """Eval / save at every ``every``-th step and at the last step (``every`` 0: the last
     step only)."""
@@ -588,6 +727,9 @@ def _restored(
     run = Run(cfg, init_distributed(), purpose, prompts)
     if checkpoint is not None:
         from flowgrpo.engine.checkpoint import load_checkpoint
+
+        if run.reward is not None and run.reward.pairwise_labels:  # judged against the base
+            run.base_images = eval_images(run)[4].detach().cpu().clone()
 
         load_checkpoint(run.engine, setup.resolve_checkpoint(checkpoint))
     return run
