@@ -35,7 +35,6 @@ from flowgrpo import __version__
 from flowgrpo.settings import DEFAULT_PRESET
 
 # flowgrpo.config is imported inside the handlers: it pulls in flowgrpo.engine (and torch).
-CONFIG_ARGS_HELP = "[PRESET] [KEY=VALUE ...]"
 # subcommands owned by other modules: (module, function adding the parser, one-line help)
 LAZY_COMMANDS = {
     "toy": ("flowgrpo.toy.pretrain", "add_toy_parser", "the built-in toy digits model"),
@@ -104,7 +103,7 @@ def _config_of_checkpoint(args: argparse.Namespace, command: str, extra: Sequenc
     recorded, ckpt = None, _checkpoint(args.checkpoint)
     if ckpt is not None and os.path.exists(ckpt):  # a missing one is reported by the run
         from flowgrpo.config.record import checkpoint_record
-        from flowgrpo.trainer.setup import resolve_checkpoint
+        from flowgrpo.trainer.run_folder import resolve_checkpoint
 
         recorded = checkpoint_record(resolve_checkpoint(ckpt))
     return load_config(preset, [*overrides, *extra], command=command, recorded=recorded)
@@ -207,7 +206,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("flowgrpo sample needs --prompts TEXT ... or --prompt-file FILE")
     cfg = _config_of_checkpoint(args, "sample")
-    from flowgrpo.trainer.loop import run_sample
+    from flowgrpo.trainer.commands import run_sample
 
     def job() -> None:
         edits = {} if images is None else {"images": images}  # editing models only
@@ -221,7 +220,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     extra = [f"data.eval_prompts={args.prompt_file}"] if args.prompt_file else []
     cfg = _config_of_checkpoint(args, "eval", extra)
-    from flowgrpo.trainer.loop import run_eval
+    from flowgrpo.trainer.commands import run_eval
 
     def job() -> None:
         metrics = run_eval(cfg, _checkpoint(args.checkpoint))
@@ -237,7 +236,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_export_lora(args: argparse.Namespace) -> int:
     cfg = _config_of_checkpoint(args, "export")
-    from flowgrpo.trainer.loop import run_export_lora
+    from flowgrpo.trainer.commands import run_export_lora
 
     def job() -> None:
         path = run_export_lora(cfg, args.checkpoint, args.out, full=args.full, raw=args.raw)

@@ -71,7 +71,8 @@ def run(
     from flowgrpo.engine import init_distributed
     from flowgrpo.models import build_adapter
     from flowgrpo.rollout import sample_trajectories
-    from flowgrpo.trainer.setup import build_engine, sample_seed
+    from flowgrpo.trainer.seeds import sample_seed
+    from flowgrpo.trainer.setup import build_engine
 
     cfg = config(algorithm, kind, mode, **over)
     dist = init_distributed()

@@ -53,7 +53,7 @@ def _setup(algorithm: str, kind: str = "toy", mode: str = "full", **over):
 
 def _rollout(cfg, adapter, algo, step: int = 1, prompts=PROMPTS):
     from flowgrpo.rollout import sample_trajectories
-    from flowgrpo.trainer.setup import sample_seed
+    from flowgrpo.trainer.seeds import sample_seed
 
     plan = algo.rollout_plan(step)
     gens = [
@@ -289,7 +289,7 @@ def test_nft_old_policy_after_update_is_the_decayed_blend_and_samples_the_next_r
     # the next rollout: under rollout_weights() == with the expected old weights loaded by hand
     _, nxt, seeds = _rollout(cfg, adapter, algo, step=2)
     from flowgrpo.rollout import sample_trajectories
-    from flowgrpo.trainer.setup import sample_seed
+    from flowgrpo.trainer.seeds import sample_seed
 
     plan = algo.rollout_plan(2)
 

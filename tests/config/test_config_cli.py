@@ -17,7 +17,7 @@ from flowgrpo.config.schema import DEFAULT_PRESET
 
 @pytest.fixture
 def fake_trainer(monkeypatch):
-    """Stand-in for flowgrpo.trainer.loop recording what the CLI passes."""
+    """Stand-in for flowgrpo.trainer.loop and .commands recording what the CLI passes."""
     calls: dict = {}
     mod = types.ModuleType("flowgrpo.trainer.loop")
     mod.run_training = lambda cfg: calls.setdefault("train", cfg)
@@ -30,6 +30,7 @@ def fake_trainer(monkeypatch):
         "export", (cfg, ckpt, out, full)
     )[2]
     monkeypatch.setitem(sys.modules, "flowgrpo.trainer.loop", mod)
+    monkeypatch.setitem(sys.modules, "flowgrpo.trainer.commands", mod)
     return calls
 
 

@@ -151,7 +151,11 @@ def test_multi_reward_outputs_dicts_and_weights(registry):
     assert list(out) == ["jpeg_compressibility", "two_keys/acc", "two_keys/extra"]
     assert all(v.dtype == torch.float32 and v.shape == (2,) for v in out.values())
     torch.testing.assert_close(out["two_keys/extra"], torch.tensor([5.0, 6.0]))
-    assert m.weights == {"jpeg_compressibility": 0.5, "two_keys/acc": 2.0, "two_keys/extra": 0.0}
+    assert m.weights_of(out) == {
+        "jpeg_compressibility": 0.5,
+        "two_keys/acc": 2.0,
+        "two_keys/extra": 0.0,
+    }
 
 
 def test_combination_hand_computed():
@@ -221,7 +225,7 @@ def test_import_path_label_and_alias():
     out = m(images, prompts, meta)
     assert list(out) == ["mean_brightness", "bright2"]
     torch.testing.assert_close(out["bright2"], 2 * out["mean_brightness"])
-    assert m.weights == {"mean_brightness": 1.0, "bright2": 3.0}
+    assert m.weights_of(out) == {"mean_brightness": 1.0, "bright2": 3.0}
     with pytest.raises(ValueError, match=r"\['mean_brightness'\] more than once"):
         MultiReward([f"{__name__}:mean_brightness", f"{__name__}:mean_brightness"])
 

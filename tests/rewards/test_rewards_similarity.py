@@ -104,7 +104,9 @@ def test_registry_device_dtype_and_errors(tiny_clip):
     assert _with_device("image_similarity", {"path": "p"}, "cuda:3")["device"] == "cuda:3"
     images, sources = _data()
     scores = multi(images, ["p"] * 3, [{"source_images": s} for s in sources])
-    assert multi.weights == {"image_similarity": 0.2} and scores["image_similarity"].shape == (3,)
+    assert multi.weights_of(scores) == {"image_similarity": 0.2} and scores[
+        "image_similarity"
+    ].shape == (3,)
     bf16 = build_reward("image_similarity", path=str(tiny_clip), dtype="bfloat16")
     assert next(bf16.model.parameters()).dtype == torch.bfloat16  # scored in the model's dtype
     torch.testing.assert_close(

@@ -37,18 +37,18 @@ def main() -> int:
     from flowgrpo import cli
     from flowgrpo.algorithms import flow_grpo as flow_grpo_algo
     from flowgrpo.engine import checkpoint
-    from flowgrpo.trainer import loop
+    from flowgrpo.trainer import run as trainer_run
 
     if point == "none":
         pass
     elif point == "rollout":
-        kill_on(loop, "sample_trajectories", hit)
+        kill_on(trainer_run, "sample_trajectories", hit)
     elif point == "train":
         kill_on(flow_grpo_algo.FlowGRPO, "step_loss", hit)
     elif point == "save":
         kill_on(checkpoint, "_write_marker", hit)
     elif point == "eval":
-        real = loop.rollout
+        real = trainer_run.rollout
         calls = [0]
 
         def rollout(run, *args, eval=False, **kwargs):
@@ -58,7 +58,7 @@ def main() -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
             return real(run, *args, eval=eval, **kwargs)
 
-        loop.rollout = rollout
+        trainer_run.rollout = rollout
     elif point == "enospc":
         import errno
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from flowgrpo.trainer.logging import read_jsonl
-from flowgrpo.trainer.run_files import (
+from flowgrpo.trainer.run_folder import (
     recorded_run_ids,
     removable_checkpoint,
     retire_later_branch,

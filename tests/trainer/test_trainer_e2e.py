@@ -208,7 +208,7 @@ def test_sigkill_then_resume_uses_last_complete_checkpoint(tmp_path):
 def test_eval_and_sample_from_checkpoint_reproduce_the_run(two_steps, tmp_path):
     from PIL import Image
 
-    from flowgrpo.trainer.loop import run_eval, run_sample
+    from flowgrpo.trainer.commands import run_eval, run_sample
 
     out, summary = two_steps
     cfg = small_cfg(tmp_path / "unused")
@@ -226,7 +226,7 @@ def test_full_fine_tune_exports_the_whole_transformer(two_steps, tmp_path):
     that reproduce the checkpoint's transformer."""
     from diffusers import SD3Transformer2DModel
 
-    from flowgrpo.trainer.loop import run_export_lora
+    from flowgrpo.trainer.commands import run_export_lora
 
     out, _ = two_steps
     cfg = small_cfg(tmp_path / "unused")
@@ -243,8 +243,8 @@ def test_full_fine_tune_exports_the_whole_transformer(two_steps, tmp_path):
 def test_lora_run_exports_a_diffusers_loadable_lora(tmp_path):
     from flowgrpo.rollout import sample_trajectories
     from flowgrpo.toy import ToyAdapter, toy_pipeline
-    from flowgrpo.trainer.loop import run_export_lora, run_sample
-    from flowgrpo.trainer.setup import SAMPLE_SALT, generators
+    from flowgrpo.trainer.commands import run_export_lora, run_sample
+    from flowgrpo.trainer.seeds import SAMPLE_SALT, generators
 
     lora = [
         "lora.enabled=true",
@@ -297,7 +297,7 @@ def test_lora_run_exports_a_diffusers_loadable_lora(tmp_path):
 def test_gpu_preset_features_on_the_toy(tmp_path):
     """LoRA + EMA + CFG + SDE window + 2 minibatches + advantage aggregation, as the real
     presets use them; eval and checkpoints use the EMA weights."""
-    from flowgrpo.trainer.loop import run_eval
+    from flowgrpo.trainer.commands import run_eval
 
     feats = [
         *("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optim.lr=1e-2"),

@@ -18,7 +18,8 @@ from flowgrpo.trainer.logging import (
     summary_table,
     truncate_jsonl,
 )
-from flowgrpo.trainer.setup import generators, padded_shard, sample_seed
+from flowgrpo.trainer.seeds import generators, sample_seed
+from flowgrpo.trainer.setup import padded_shard
 
 
 def test_make_grid_upscales_nearest_with_square_cells():

@@ -1,7 +1,7 @@
 """What every RL algorithm provides, and the update loop they share.
 
-An algorithm is one module (``flow_grpo``, ``mix_grpo``, ``grpo_guard``, ``nft``) and one line
-in the registry (``flowgrpo.algorithms``): its settings (``settings_class``, the config section
+An algorithm is one module (``flow_grpo``, ``nft``, ...: the registry
+``flowgrpo.algorithms.ALGORITHMS`` lists them) and one line in that registry: its settings (``settings_class``, the config section
 of its name) and the rules it needs of the whole config (``check_config``), what its rollout
 records (``rollout_plan``), which weights sample it (``rollout_weights``), its advantages from
 the rewards' scores (``advantages``), its math, its loss on a micro-batch and its update over a

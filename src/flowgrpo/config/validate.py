@@ -13,17 +13,6 @@ from flowgrpo.models.registry import PRESET_PIPELINES  # which pipelines each pr
 from flowgrpo.settings import BUILTIN, ConfigError, check_section
 
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-#: everything a training run writes into run.output_dir (``run.overwrite`` deletes only these)
-RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "eval.jsonl",
-    "checkpoints",
-    "tensorboard",
-    "wandb",
-    "grid_before.png",
-    "grid_after.png",
-    "reward_curve.png",
-)
 
 
 def holds_run(folder: str | Path) -> bool:
@@ -289,7 +278,6 @@ __all__ = [
     "COMMANDS",
     "PRESET_PIPELINES",
     "PROMPT_SUFFIXES",
-    "RUN_OUTPUTS",
     "holds_run",
     "validate",
 ]

@@ -316,8 +316,9 @@ class MultiReward:
 
     A component returning a dict contributes entries named ``"<label>/<key>"``. Pairwise
     rewards (``is_pairwise``) are not scored by a call: ``score_pairs`` scores them on pairs
-    of images (``pairwise_labels`` names them). ``.weights``
-    gives the weight of every output name (``weights_of``: what the algorithm combines them with). Each reward gets its own
+    of images (``pairwise_labels`` names them). ``weight_of`` gives an output name's weight,
+    ``weights_of`` those of a scored batch (what the algorithm combines them with). Each
+    reward gets its own
     copy of the images and metadata; any exception it raises, SystemExit included (not
     KeyboardInterrupt), becomes ``RuntimeError("reward 'NAME' failed: ...")``.
     """
@@ -335,7 +336,6 @@ class MultiReward:
             )
             for s in self.specs
         }
-        self._keys: dict[str, list[str]] = {}  # label -> dict keys seen (dict rewards)
 
     @property
     def pairwise_labels(self) -> list[str]:
@@ -398,26 +398,11 @@ class MultiReward:
         m = cls.__new__(cls)
         m.specs = [RewardSpec(k, float((weights or {}).get(k, 1.0)), alias=k) for k in fns]
         m.fns = {k: lift_to_video(fn, "all", k) for k, fn in fns.items()}
-        m._keys = {}
         return m
 
     @property
     def names(self) -> list[str]:
         return [s.label for s in self.specs]
-
-    @property
-    def weights(self) -> dict[str, float]:
-        """Weight of every output name; dict rewards are known after their first call."""
-        out: dict[str, float] = {}
-        for s in self.specs:
-            keys = self._keys.get(s.label)
-            if keys is None:
-                out[s.label] = float(s.weight)
-                continue
-            for k in keys:
-                w = 1.0 if s.key_weights is None else float(s.key_weights.get(k, 0.0))
-                out[f"{s.label}/{k}"] = float(s.weight) * w
-        return out
 
     def weight_of(self, name: str) -> float | None:
         """The weight of output ``name`` ("label", or "label/key" of a dict reward), known
@@ -457,7 +442,6 @@ class MultiReward:
                 if isinstance(raw, Mapping):
                     if not raw:
                         raise ValueError(f"reward {label!r} returned an empty dict")
-                    self._keys[label] = [str(k) for k in raw]
                     for k, v in raw.items():
                         out[f"{label}/{k}"] = to_score_tensor(v, b, f"{label}/{k}")
                 else:

@@ -60,8 +60,6 @@ DEFAULT_MAX_REQUEST_MB = 256.0
 DEFAULT_MAX_PIXELS = 4096 * 4096
 # Per request: a batch of 64 images of 1024x1024 (16 of 2048x2048); ~0.8 GB as float32.
 DEFAULT_MAX_REQUEST_PIXELS = 64 * 1024 * 1024
-# Server-wide: pixels decoded and held at once by all requests together (one full request).
-DEFAULT_MAX_DECODED_PIXELS = DEFAULT_MAX_REQUEST_PIXELS
 # JSON values per body, counted before parsing: each costs 30-70 bytes as a Python object.
 DEFAULT_MAX_JSON_VALUES = 4_000_000
 DEFAULT_MAX_METADATA_MB = 16.0

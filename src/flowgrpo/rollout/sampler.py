@@ -1,8 +1,10 @@
-"""Sample images with an SDE sampler that records what Flow-GRPO trains on.
+"""Sample images (videos) with an SDE sampler and record the trained steps the algorithms
+train on (``Trajectory``).
 
-``policy_step`` is the single implementation of "velocity -> SDE step -> log-prob": the
-rollout calls it without grad, the training pass (``trajectory_log_prob``) calls it with grad
-on the recorded latents, so the two can only differ by the transformer's weights.
+``step_from_velocity`` is the single implementation of "guided velocity -> SDE step ->
+log-prob": the rollout (``sample_trajectories``) calls it on the adapter's velocity without
+grad, the training pass (``trajectory_log_prob`` via ``policy_step``, velocity + that step)
+with grad on the recorded latents, so the two can only differ by the transformer's weights.
 """
 
 from __future__ import annotations
@@ -227,7 +229,11 @@ def _trained_steps(
     deterministic_last_step: bool,
     generator: Generators,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-sample first stochastic step [B], first trained step [B] (same), and K."""
+    """(start [B], span, K): each sample's first stochastic step, the number of stochastic
+    steps from it, and K, the trained ones (the first K of them, rounded down from
+    ``timestep_fraction`` of the span, at least 1). Without ``sde_window`` every sample's
+    stochastic steps are all but the last (``deterministic_last_step``), from step 0; with it
+    they are the window, its start drawn per sample from ``generator``, and K its size."""
     available = num_steps - 1 if deterministic_last_step else num_steps
     if available < 1:
         raise ValueError(

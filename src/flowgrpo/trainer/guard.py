@@ -178,6 +178,70 @@ def write_best(out: Path, record: dict[str, Any]) -> None:
                 marker.unlink()
 
 
+# -- in a run ----------------------------------------------------------------------------------
+
+
+class GuardRollback(Exception):
+    """The guard tripped with ``guard.action=rollback``: the run resumes from ``target`` (the
+    best-gold checkpoint at or before the peak) with ``record`` (the guard's, as it tripped)
+    and ``guard.on_rollback`` applied (``loop.run_training``)."""
+
+    def __init__(self, target: Path, record: dict[str, Any], line: str) -> None:
+        super().__init__(line)
+        self.target, self.record, self.line = target, record, line
+
+
+def recorded_settings(checkpoint: Path) -> dict[str, Any]:
+    """The settings earlier rollbacks applied (``guard.on_rollback``), from the checkpoint's
+    trainer state: a resume after a rollback runs with them, as the run did."""
+    try:
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return dict((state.get("guard") or {}).get("applied") or {})
+
+
+def after_rollback(rollback: GuardRollback, step: int, applied: dict[str, Any]) -> dict:
+    """The tripped run's record, back at the target's ``step``: later evals forgotten, one
+    more rollback counted, the settings it ``applied`` recorded, the event logged."""
+    rec = rollback.record
+    forget_after(rec, step)
+    rec["rollbacks"] = int(rec.get("rollbacks", 0)) + 1
+    rec["applied"] = {**rec.get("applied", {}), **applied}
+    rec["events"].append({"action": "rollback", "to_step": step, "line": rollback.line})
+    return rec
+
+
+def on_eval(cfg: Any, record: dict[str, Any], step: int, metrics: dict) -> Trip | None:
+    """Add an eval to the record (runs with gold rewards) -> the guard's Trip, or None (no
+    trip, no guard, or the base eval)."""
+    record_eval(record, step, metrics["eval/reward_mean"], metrics["eval/gold_score"])
+    drop = cfg.guard.max_gold_drop
+    return None if drop is None or step == 0 else check(record, drop)
+
+
+def act_on_trip(cfg: Any, record: dict[str, Any], trip: Trip, write: Any) -> str:
+    """The guard tripped (its step saved): raise GuardRollback to resume from the best-gold
+    checkpoint at or before the peak, or stop: ``write`` one line, return it. A rollback with
+    no checkpoint to return to, or past ``guard.max_rollbacks``, stops instead."""
+    g = cfg.guard
+    target = best_checkpoint(record, "gold", up_to=trip.peak.step)
+    if g.action == "rollback" and target is not None and record["rollbacks"] < g.max_rollbacks:
+        raise GuardRollback(
+            Path(target.checkpoint), record, trip_line(trip, "rolling back", target)
+        )
+    if g.action == "rollback" and target is None:
+        what = "stopped: no checkpoint to roll back to"
+    elif g.action == "rollback":
+        what = f"stopped after {record['rollbacks']} rollbacks (guard.max_rollbacks)"
+    else:
+        what, target = "stopped", best_checkpoint(record, "gold")
+    line = trip_line(trip, what, target)
+    record["events"].append({"action": "stop", "step": trip.now.step, "line": line})
+    write(line)
+    return line
+
+
 def resolve_best(output_dir: str | Path, by: str = "gold") -> Path:
     """``--checkpoint best``: the run folder's best checkpoint by gold score (``by``
     "reward": by training reward). A ValueError saying why when there is none."""
@@ -201,6 +265,11 @@ def resolve_best(output_dir: str | Path, by: str = "gold") -> Path:
 
 __all__ = [
     "BEST_FILE",
+    "GuardRollback",
+    "act_on_trip",
+    "after_rollback",
+    "on_eval",
+    "recorded_settings",
     "KEEP",
     "Row",
     "Trip",
