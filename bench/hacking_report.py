@@ -43,9 +43,12 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _med(xs: list) -> str:
-    xs = [x for x in xs if x is not None]
-    return "—" if not xs else f"{statistics.median(xs):.3f}"
+def _med(xs: list, fmt: str = ".3f") -> str:
+    """The median of the known values (``—``: none), and how many of them there are."""
+    known = [x for x in xs if x is not None]
+    if not known:
+        return f"— (0 of {len(xs)})"
+    return f"{statistics.median(known):{fmt}} ({len(known)} of {len(xs)})"
 
 
 def tables(res: dict) -> str:
@@ -107,8 +110,8 @@ def tables(res: dict) -> str:
             continue
         name = "pointwise (digits + 0.5 ink)" if variant == "none" else "pairwise (same score)"
         side.append(
-            f"| {name} | {_med([r['to_0.9'] for r in seeds.values()])} | "
-            f"{_med([r['to_0.95'] for r in seeds.values()])} | "
+            f"| {name} | {_med([r['to_0.9'] for r in seeds.values()], 'g')} | "
+            f"{_med([r['to_0.95'] for r in seeds.values()], 'g')} | "
             f"{_med([r['peak'] for r in seeds.values()])} | "
             f"{_med([r['fall'] for r in seeds.values()])} |"
         )

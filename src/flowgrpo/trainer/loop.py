@@ -237,7 +237,11 @@ def _run_training(cfg: Any, rollback: guard.GuardRollback | None = None) -> dict
             if run.gold is not None and dist.is_main:  # best.json, KEEP markers
                 guard.write_best(out, state["guard"])
         if trip is not None:  # stop (one line), or raise GuardRollback
-            trip = guard.act_on_trip(cfg, state["guard"], trip, logger.write)
+            try:
+                trip = guard.act_on_trip(cfg, state["guard"], trip, logger.write)
+            except guard.GuardRollback:
+                logger.close()  # run_training resumes from the target with a new logger
+                raise
             if dist.is_main:  # best.json with the stop
                 guard.write_best(out, state["guard"])
     if final_eval is None:  # resumed at the end already: evaluate the final weights again
