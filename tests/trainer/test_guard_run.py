@@ -102,9 +102,11 @@ def test_stop_names_the_eval_figures_and_best_checkpoint(stopped, capsys):
         assert e["eval/hacking_gap"] == pytest.approx(gap, rel=1e-5, abs=1e-7)
     best = json.loads((out / "best.json").read_text())
     assert best["gold"]["step"] == 2 and best["gold"]["checkpoint"].endswith("step_2")
-    assert best["reward"]["step"] == 4  # the reward's best eval: the hacked one
-    # keep_last=1, yet the best-gold checkpoint is kept (the newest is step 4)
-    assert (out / "checkpoints" / "step_2").is_dir() and (out / "checkpoints" / "step_4").is_dir()
+    # the training reward's best eval (0.403 at step 3, above step 4's 0.396)
+    assert best["reward"]["step"] == 3
+    # keep_last=1, yet the best checkpoints by gold and by reward are kept (the newest: 4)
+    kept = sorted(d.name for d in (out / "checkpoints").iterdir() if d.is_dir())
+    assert kept == ["step_2", "step_3", "step_4"]
 
 
 def test_checkpoint_best_selects_the_best_gold_checkpoint(stopped):
