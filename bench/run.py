@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         default="rollout,batched_cfg,training,zero_advantage,sharding,sp,memory,toy,algorithms,"
         "rewards",
         help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
-        "sp,memory,toy,algorithms,rewards",
+        "sp,memory,toy,algorithms,rewards, or hacking (not by default: 12 toy runs, "
+        "docs/reward_hacking.md)",
     )
     parser.add_argument(
         "--rows",
@@ -477,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.rewards import bench_rewards
 
         results["rewards"] = bench_rewards(quick=args.quick, device=s.device)
+    if "hacking" in sections:  # reward hacking on the toy, the guard, pairwise rewards
+        from bench.hacking import main as bench_hacking
+
+        bench_hacking(["all"])
     results["targets"] = check_targets(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -3,9 +3,9 @@
     flowgrpo train [PRESET] [KEY=VALUE ...]          train (default preset: toy-digits)
     flowgrpo config show [PRESET] [KEY=VALUE ...]    print the effective config as YAML
     flowgrpo config list                             list the shipped presets
-    flowgrpo sample [PRESET] [KEY=VALUE ...] --prompts TEXT ... --out DIR [--checkpoint PATH]
-    flowgrpo eval [PRESET] [KEY=VALUE ...] [--checkpoint PATH] [--prompt-file F]
-    flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH --out FILE [--raw]
+    flowgrpo sample [PRESET] [KEY=VALUE ...] --prompts TEXT ... --out DIR [--checkpoint PATH|best]
+    flowgrpo eval [PRESET] [KEY=VALUE ...] [--checkpoint PATH|best] [--prompt-file F]
+    flowgrpo export-lora [PRESET] [KEY=VALUE ...] --checkpoint PATH|best --out FILE [--raw]
     flowgrpo memory [PRESET] [KEY=VALUE ...] --gpus N --gpu-gb G   per-GPU memory plan
     flowgrpo toy pretrain ...                        pretrain the toy generator
     flowgrpo reward-server --reward NAME ...         serve a reward over HTTP
@@ -74,6 +74,24 @@ def _checkpoint(text: str | None) -> str | None:
     return None if text is None or text.lower() in ("none", "base", "") else text
 
 
+def _best(text: str | None, preset: str | None, overrides: Sequence[str]) -> str | None:
+    """``--checkpoint best`` (by gold score) / ``best-reward`` (by training reward), each
+    optionally ``:RUN_DIR`` (default: the config's ``run.output_dir``) -> the checkpoint the
+    run's ``best.json`` names; any other text unchanged."""
+    if text is None:
+        return None
+    name, _, folder = text.partition(":")
+    if name not in ("best", "best-reward"):
+        return text
+    if not folder:
+        from flowgrpo.config import load_config
+
+        folder = load_config(preset, list(overrides), check_paths=False).run.output_dir
+    from flowgrpo.trainer.guard import resolve_best
+
+    return str(resolve_best(folder, "gold" if name == "best" else "reward"))
+
+
 def _config_of_checkpoint(args: argparse.Namespace, command: str, extra: Sequence[str] = ()):
     """The config of ``sample`` / ``eval`` / ``export-lora``: the checkpoint's recorded
     ``config.yaml`` when it has one (then a PRESET may be left out), else the preset;
@@ -81,6 +99,7 @@ def _config_of_checkpoint(args: argparse.Namespace, command: str, extra: Sequenc
     from flowgrpo.config import load_config
 
     preset, overrides = split_config_args(args.config_args)
+    args.checkpoint = _best(args.checkpoint, preset, overrides)
     recorded, ckpt = None, _checkpoint(args.checkpoint)
     if ckpt is not None and os.path.exists(ckpt):  # a missing one is reported by the run
         from flowgrpo.config.record import checkpoint_record
@@ -358,7 +377,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         default=None,
-        help="checkpoint or run directory (its recorded config.yaml is the config); none = base",
+        help="checkpoint or run directory (its recorded config.yaml is the config); none = base; "
+        "best = the run's best checkpoint by gold score (best-reward: by training reward; "
+        "best:RUN_DIR for another run folder than run.output_dir)",
     )
     p.add_argument(
         "--prompts",
@@ -383,7 +404,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         default=None,
-        help="checkpoint or run directory (its recorded config.yaml is the config); none = base",
+        help="checkpoint or run directory (its recorded config.yaml is the config); none = base; "
+        "best = the run's best checkpoint by gold score (best-reward: by training reward; "
+        "best:RUN_DIR for another run folder than run.output_dir)",
     )
     p.add_argument("--prompt-file", metavar="FILE", help="eval prompts (data.eval_prompts)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the metrics as JSON")
@@ -394,7 +417,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="checkpoint or run directory (its recorded config.yaml is the config)",
+        help="checkpoint or run directory (its recorded config.yaml is the config); best = the "
+        "run's best checkpoint by gold score (best-reward, best:RUN_DIR as for sample)",
     )
     p.add_argument(
         "--out", required=True, metavar="PATH", help="output .safetensors file (--full: a folder)"

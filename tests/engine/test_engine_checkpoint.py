@@ -263,3 +263,21 @@ def test_state_dict_round_trip_resumes_exactly_without_files(dist1, tiny_traj):
     loaded = tm.trainable(other)
     assert all(torch.equal(x, loaded[k]) for x, k in zip(tm.ema_values(other), other.param_names))
     assert all(torch.equal(a[k], loaded[k]) for k in a)
+
+
+def test_pruning_keeps_checkpoints_marked_keep(dist1, tiny_traj, tmp_path):
+    """A checkpoint the trainer marked KEEP (a best checkpoint, a rollback's target) outlives
+    keep_last; unmarked, it goes at the next save."""
+    from flowgrpo.engine.checkpoint_dirs import KEEP
+
+    engine = tm.engine_for(
+        tm.TinyAdapter(), tm.make_config("clip", **{"update.micro_batch_size": 2})
+    )
+    save_checkpoint(engine, tmp_path, 1, keep_last=1, run_id="r")
+    (tmp_path / "step_1" / KEEP).write_text("best")
+    for step in (2, 3):
+        save_checkpoint(engine, tmp_path, step, keep_last=1, run_id="r")
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["step_1", "step_3"]
+    (tmp_path / "step_1" / KEEP).unlink()
+    save_checkpoint(engine, tmp_path, 4, keep_last=1, run_id="r")
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["step_4"]

@@ -55,3 +55,65 @@ def test_judge_and_diversity_on_real_and_collapsed_images(real):
     assert diversity(to_unit(x), y) == pytest.approx(0.33, abs=0.01)
     collapsed = images[:1].repeat(8, 1, 1, 1)
     assert diversity(collapsed, [2] * 8) == 0.0
+
+
+def test_ink_is_mean_brightness_and_hackable(real):
+    images, labels = real
+    prompts = [f"a handwritten {d}" for d in labels]
+    ink = torch.tensor(build_reward("digits_ink")(images, prompts, [{}] * 60))
+    grey = images.mean(dim=1)  # 8x8 already: ink is the mean pixel
+    torch.testing.assert_close(ink, grey.reshape(60, -1).mean(1))
+    white = torch.ones_like(images)  # maximal ink, not a digit: the judge reads no digit
+    assert build_reward("digits_ink")(white[:2], prompts[:2], [{}] * 2) == [1.0, 1.0]
+    judge = build_reward("digits_judge")(images, prompts, [{}] * 60)
+    assert float(torch.as_tensor(judge).mean()) == pytest.approx(digits_judge(images, labels))
+
+
+def test_pairwise_digits_compares_the_classifier_probability(real):
+    from flowgrpo.algo.advantages import group_pairs, win_rates
+    from flowgrpo.rewards import MultiReward, is_pairwise
+
+    images, labels = real
+    prompts = [f"a handwritten {d}" for d in labels[:3]]
+    blank = torch.zeros_like(images[:3])
+    fn = build_reward("digits_pairwise")
+    assert is_pairwise(fn)
+    p_real = torch.tensor(digits_reward(images[:3], prompts))
+    p_blank = torch.tensor(digits_reward(blank, prompts))
+    expected = [1.0 if a > b else 0.0 if a < b else 0.5 for a, b in zip(p_real, p_blank)]
+    assert fn(images[:3], blank, prompts, [{}] * 3) == expected
+    assert fn(images[:3], images[:3], prompts, [{}] * 3) == [0.5] * 3  # a tie with itself
+    # with ink: a white image out-scores the real digit once ink weighs enough
+    white = torch.ones_like(images[:3])
+    assert (
+        build_reward("digits_pairwise", ink_weight=10.0)(white, images[:3], prompts, None)
+        == [1.0] * 3
+    )
+    # MultiReward: a call skips it, score_pairs scores it; win rates by hand
+    multi = MultiReward([{"name": "digits_pairwise"}, {"name": "digits_ink", "weight": 0.0}])
+    # one group (one prompt): a real digit, another real image, a blank
+    both = torch.cat([images[:2], blank[:1]])
+    group_prompts = [f"a handwritten {labels[0]}"] * 3
+    assert multi.pairwise_labels == ["digits_pairwise"]
+    assert set(multi(both, group_prompts, [{}] * 3)) == {"digits_ink"}
+    firsts, seconds = group_pairs([0, 0, 0])
+    out = multi.score_pairs(both, group_prompts, None, firsts, seconds)["digits_pairwise"]
+    p = torch.tensor(digits_reward(both, group_prompts))
+    assert len(set(p.tolist())) == 3  # distinct scores: no ties
+    by_hand = [1.0 if p[a] > p[b] else 0.0 for a, b in zip(firsts, seconds)]
+    assert out.tolist() == by_hand
+    rates = win_rates(out, firsts, seconds, 3)
+    ranks = p.argsort().argsort().float()  # win rate = rank / (K - 1)
+    torch.testing.assert_close(rates, ranks / 2)
+
+
+def test_pairwise_reward_outcomes_outside_0_1_are_named(real):
+    from flowgrpo.rewards import MultiReward
+
+    def bad(a, b, prompts, metadata):
+        return [2.0] * len(prompts)
+
+    bad.pairwise = True
+    multi = MultiReward.from_functions({"bad": bad})
+    with pytest.raises(ValueError, match="pairwise reward 'bad' returned outcomes outside"):
+        multi.score_pairs(real[0][:2], ["a 1", "a 1"], None, [0], [1])

@@ -8,7 +8,10 @@ from flowgrpo.algo.advantages import (
     CombinedRewards,
     combine_rewards,
     group_advantages,
+    group_pairs,
+    preference_advantages,
     reward_stats,
+    win_rates,
     zero_std_ratio,
 )
 from flowgrpo.algo.dpm_solver import DPMSolverStep, dpm_solver_2m_step
@@ -27,11 +30,14 @@ __all__ = [
     "dpm_solver_2m_step",
     "flow_grpo_loss",
     "group_advantages",
+    "group_pairs",
     "kl_penalty_image",
+    "preference_advantages",
     "reward_stats",
     "sde_step_with_logprob",
     "time_shift_grid",
     "train_mask",
     "tree_advantages",
+    "win_rates",
     "zero_std_ratio",
 ]

@@ -49,6 +49,73 @@ def group_advantages(
     return (centred / (std + eps)).to(rewards.device)
 
 
+def group_pairs(group_ids: Sequence[Hashable] | torch.Tensor) -> tuple[list[int], list[int]]:
+    """Every unordered pair (i, j), i < j, of samples in the same group: (firsts, seconds),
+    group by group in order of first appearance, each group's pairs in
+    ``itertools.combinations`` order (Pref-GRPO's ``cal_win_rate_images``)."""
+    idx = _group_index(group_ids, len(group_ids)).tolist()
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(idx):
+        members.setdefault(g, []).append(i)
+    firsts: list[int] = []
+    seconds: list[int] = []
+    for rows in members.values():
+        for a in range(len(rows)):
+            for b in range(a + 1, len(rows)):
+                firsts.append(rows[a])
+                seconds.append(rows[b])
+    return firsts, seconds
+
+
+def win_rates(
+    outcomes: Sequence[float] | torch.Tensor,
+    firsts: Sequence[int] | torch.Tensor,
+    seconds: Sequence[int] | torch.Tensor,
+    n: int,
+) -> torch.Tensor:
+    """Each sample's win rate over the comparisons it took part in, [n] fp32.
+
+    ``outcomes[p]`` in [0, 1] is how far sample ``firsts[p]`` beat ``seconds[p]`` (1 a win,
+    0 a loss, 0.5 a tie; a judge's probability is allowed): the first gets ``outcomes[p]``,
+    the second ``1 - outcomes[p]``. win_i = (i's wins) / (i's comparisons), 0 for a sample
+    compared with none: Pref-GRPO's ``_pairwise_win_rate`` (CodeGoat24/Pref-GRPO @ 3e787f6,
+    fastvideo/rewards/unifiedreward_think.py), where a tie or an unreadable answer counts 0.5
+    to each side.
+    """
+    o = torch.as_tensor(outcomes, dtype=torch.float32).reshape(-1).cpu()
+    a = torch.as_tensor(firsts, dtype=torch.long).reshape(-1).cpu()
+    b = torch.as_tensor(seconds, dtype=torch.long).reshape(-1).cpu()
+    if not (o.numel() == a.numel() == b.numel()):
+        raise ValueError(f"got {o.numel()} outcomes for {a.numel()} firsts and {b.numel()} seconds")
+    if o.numel() and not bool(((o >= 0) & (o <= 1)).all()):
+        raise ValueError(
+            f"pairwise outcomes must lie in [0, 1], got {o[(o < 0) | (o > 1) | o.isnan()][:3].tolist()}"
+        )
+    if bool((a == b).any()):
+        raise ValueError("a sample cannot be compared with itself")
+    wins = torch.zeros(n).index_add_(0, a, o).index_add_(0, b, 1 - o)
+    counts = (
+        torch.zeros(n).index_add_(0, a, torch.ones_like(o)).index_add_(0, b, torch.ones_like(o))
+    )
+    return torch.where(counts > 0, wins / counts.clamp_min(1), torch.zeros_like(wins))
+
+
+def preference_advantages(
+    outcomes: Sequence[float] | torch.Tensor,
+    firsts: Sequence[int] | torch.Tensor,
+    seconds: Sequence[int] | torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+    *,
+    global_std: bool = True,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Group-relative preference advantages (Pref-GRPO, arXiv 2508.20751): each sample's win
+    rate within its group (``win_rates``), normalised as ``group_advantages`` normalises
+    rewards, [N] fp32."""
+    rates = win_rates(outcomes, firsts, seconds, len(group_ids))
+    return group_advantages(rates, group_ids, global_std=global_std, eps=eps)
+
+
 class CombinedRewards(NamedTuple):
     """reward: the weighted sum of the components [N]; advantages: what the loss uses [N]."""
 

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.resources
+import json
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -28,7 +29,11 @@ from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
 from flowgrpo.settings import DEFAULT_PRESET, ConfigError, short_repr
 
 ALIASES = {"resume": "trainer.resume"}  # `flowgrpo train resume=auto`
-REWARD_LISTS = ("reward", "eval_reward")  # list-of-RewardSpec keys, entries named by label
+REWARD_LISTS = (
+    "reward",
+    "eval_reward",
+    "eval.gold_reward",
+)  # list-of-RewardSpec keys, entries named by label
 _NONE_TYPE = type(None)
 _MISSING = object()
 
@@ -295,6 +300,26 @@ def apply_override(cfg: Config, text: str) -> None:
             raise unknown_key(key)
 
 
+def rollback_config(cfg: Config) -> Config:
+    """A copy of ``cfg`` with ``guard.on_rollback`` applied (what a guard rollback resumes
+    with); a ConfigError naming ``guard.on_rollback.KEY`` for an unknown key or a value of
+    the wrong type."""
+    from flowgrpo.config.schema import flat_keys
+
+    return apply_settings(cfg, flat_keys(cfg.guard.on_rollback), "guard.on_rollback.")
+
+
+def apply_settings(cfg: Config, settings: Mapping[str, Any], origin: str = "") -> Config:
+    """A copy of ``cfg`` with ``{dotted key: value}`` set (ConfigError prefixed ``origin``)."""
+    out = copy.deepcopy(cfg)
+    for key, value in settings.items():
+        try:
+            apply_override(out, f"{key}={json.dumps(value)}")
+        except ConfigError as e:
+            raise ConfigError(f"{origin}{key}: {e}") from None
+    return out
+
+
 # -- presets -----------------------------------------------------------------------------------
 
 
@@ -528,6 +553,8 @@ def load_config(
     resolve_defaults(cfg)
     try:
         validate(cfg, check_paths=check_paths, command=command)
+        if cfg.guard.on_rollback:  # each key known and its value of the key's type
+            rollback_config(cfg)
     except ConfigError as e:
         raise _note_preset_value(e, preset_keys - set(given), origin) from None
     return cfg

@@ -12,6 +12,7 @@ as it, added by ``_with_algorithm_sections``) in ``flowgrpo.algorithms``. Parsin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
 from flowgrpo.algo.tree import ESTIMATORS, FUSIONS, WIDTH_PRUNING, BranchSpec
@@ -482,6 +483,67 @@ class TrainerConfig:
     )
 
 
+#: sections a rollback may not change (``guard.on_rollback``): they define what the
+#: checkpoint holds, where the run lives, or the guard itself
+ROLLBACK_FIXED = (
+    "seed",
+    "preset",
+    "algorithm",
+    "model",
+    "data",
+    "lora",
+    "fsdp",
+    "run",
+    "trainer",
+    "guard",
+    "eval",
+    "reward",
+    "eval_reward",
+)
+
+
+@dataclass
+class EvalConfig:
+    """What evals watch besides the training reward: gold rewards, never trained on."""
+
+    gold_reward: list[RewardSpec] = setting(
+        help="Gold rewards: scored at every eval on the eval prompts (same forms as `reward`), "
+        "never trained on; logged as `eval/gold/<name>`, their weighted sum as "
+        "`eval/gold_score` (what the guard and `--checkpoint best` rank by), and "
+        "`eval/hacking_gap`: the training reward's relative gain since the base eval minus "
+        "the gold score's (docs/reward_hacking.md).",
+        default_factory=list,
+    )
+
+
+@dataclass
+class GuardConfig:
+    """Reward-hacking guard: act when the gold score falls while the training reward rises."""
+
+    max_gold_drop: float | None = setting(
+        None,
+        "Trigger when `eval/gold_score` is this far below its best eval while "
+        "`eval/reward_mean` is above its value at that eval (null = no guard; needs "
+        "`eval.gold_reward`).",
+        check=optional(gt(0)),
+    )
+    action: str = setting(
+        "stop",
+        "`stop`: end the run with one line naming the eval, the figures and the best-gold "
+        "checkpoint; `rollback`: resume from that checkpoint with `on_rollback` applied.",
+        check=one_of("stop", "rollback"),
+    )
+    on_rollback: dict[str, Any] = setting(
+        help="Settings a rollback changes, dotted keys: `{optim.lr: 1.0e-4, "
+        "<algorithm>.kl_beta: 0.1}`; applied again at each rollback (not model, data, reward, "
+        "run, trainer).",
+        default_factory=dict,
+    )
+    max_rollbacks: int = setting(
+        2, "Rollbacks at most; the next trigger stops the run.", check=ge(1)
+    )
+
+
 @dataclass
 class RunConfig:
     """Where and how to log."""
@@ -520,6 +582,17 @@ class RunConfig:
     debug: bool = setting(
         False, "Print the full traceback with an error (also FLOWGRPO_TRACEBACK=1)."
     )
+
+
+def flat_keys(mapping: Any, prefix: str = "") -> dict[str, Any]:
+    """``{optim: {lr: 1}}`` or ``{"optim.lr": 1}`` -> ``{"optim.lr": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in (mapping or {}).items():
+        if isinstance(v, dict):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _default_rewards() -> list[RewardSpec]:
@@ -579,6 +652,8 @@ class Config:
         "`eval/<entry>`, outside `eval/reward_mean`.",
         default_factory=list,
     )
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     # here, one section per registered algorithm (``_with_algorithm_sections``)
@@ -594,6 +669,44 @@ class Config:
         need(len(self.reward) >= 1, "reward", "a non-empty list", self.reward)
         check_labels(self.reward, "reward")
         check_labels(self.eval_reward, "eval_reward")
+        check_labels(self.eval.gold_reward, "eval.gold_reward")
+        trained = {r.name for r in self.reward} | {r.label for r in self.reward}
+        for gold in self.eval.gold_reward:
+            need(
+                gold.name not in trained,
+                f"eval.gold_reward.{gold.label}",
+                "a reward the run does not train on (it is also in `reward`: a gold reward "
+                "must be independent of what is optimised)",
+                gold.name,
+            )
+        if self.guard.max_gold_drop is not None:
+            need(
+                bool(self.eval.gold_reward),
+                "guard.max_gold_drop",
+                "null without eval.gold_reward (the guard watches the gold rewards)",
+                self.guard.max_gold_drop,
+            )
+            need(
+                self.trainer.eval_every > 0,
+                "trainer.eval_every",
+                "> 0 with guard.max_gold_drop (the guard acts at evals)",
+                self.trainer.eval_every,
+            )
+            if self.guard.action == "rollback":
+                need(
+                    self.trainer.save_every > 0,
+                    "trainer.save_every",
+                    "> 0 with guard.action=rollback (a rollback resumes from a checkpoint)",
+                    self.trainer.save_every,
+                )
+        for key in flat_keys(self.guard.on_rollback):
+            need(
+                key.split(".")[0] not in ROLLBACK_FIXED,
+                f"guard.on_rollback.{key}",
+                "a setting a rollback may change (optim, the algorithm's section, update, "
+                "sample, advantage, ema)",
+                key,
+            )
         if self.sample.use_ema_for_rollout:
             e = self.ema.enabled
             need(e, "ema.enabled", "true with sample.use_ema_for_rollout=true", e)
@@ -623,8 +736,11 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DEFAULT_PRESET",
+    "EvalConfig",
+    "GuardConfig",
     "ModelConfig",
     "RunConfig",
     "SampleConfig",
     "TrainerConfig",
+    "flat_keys",
 ]

@@ -84,7 +84,8 @@ def _check_model(cfg: Config, preset: str) -> None:
 
 def _check_reward_paths(cfg: Config) -> None:
     """Every reward option naming a file or folder (``path``, ``*_path``, ``*_dir``) exists."""
-    for key, specs in (("reward", cfg.reward), ("eval_reward", cfg.eval_reward)):
+    lists = (("reward", cfg.reward), ("eval_reward", cfg.eval_reward))
+    for key, specs in (*lists, ("eval.gold_reward", cfg.eval.gold_reward)):
         for r in specs:
             for name, value in r.options.items():
                 if not isinstance(value, str) or not value:
@@ -215,11 +216,12 @@ def _check_paths(cfg: Config, command: str) -> None:
                 has_images = _check_source_images(cfg, f"data.{key}", path)
             if not has_images:
                 _check_source_rewards(cfg, f"data.{key}")
-        for r in cfg.reward:
+        gold = [("eval.gold_reward", r) for r in cfg.eval.gold_reward]
+        for key, r in [("reward", r) for r in cfg.reward] + gold:
             if r.name in PATH_REWARDS and not r.options.get("path"):
                 raise ConfigError(
                     f"reward {r.name!r} needs options.path, a local CLIPModel directory: "
-                    f"set reward.{r.label}.options.path=/path/to/model"
+                    f"set {key}.{r.label}.options.path=/path/to/model"
                 )
             if r.name == "geneval":  # its model folders, before the generator loads
                 from flowgrpo.rewards.geneval import missing_options
@@ -228,13 +230,13 @@ def _check_paths(cfg: Config, command: str) -> None:
                 if missing:
                     opt, what = missing[0]
                     raise ConfigError(
-                        f"reward 'geneval' needs {what}: set reward.{r.label}.options.{opt}"
+                        f"reward 'geneval' needs {what}: set {key}.{r.label}.options.{opt}"
                     )
             for opt in FILE_REWARDS.get(r.name, ()):
                 if not r.options.get(opt):
                     raise ConfigError(
                         f"reward {r.name!r} needs options.{opt} (a local file or folder, "
-                        f"docs/rewards.md): set reward.{r.label}.options.{opt}=..."
+                        f"docs/rewards.md): set {key}.{r.label}.options.{opt}=..."
                     )
         _check_reward_paths(cfg)
     res = cfg.trainer.resume

@@ -16,6 +16,7 @@ from pathlib import Path
 MARKER = "COMPLETE"
 ROLLOUT_OK = "ROLLOUT_OK"  # a rollout from these weights was finite: a good checkpoint
 DIVERGED = "DIVERGED"  # a rollout from these weights was not: never resumed from again
+KEEP = "KEEP"  # the trainer needs it (a best checkpoint, a rollback's target): never pruned
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STEP_TMP = re.compile(r"^step_(\d+)\.tmp$")  # a write in progress, or one a kill interrupted
 #: every name ``save_checkpoint`` (and DCP for it) writes inside ``step_<N>/``
@@ -93,13 +94,15 @@ def remove_leftovers(root: str | Path, run_ids: set[str | None]) -> list[str]:
 def _prune(root: Path, keep_last: int | None, run_id: str | None) -> None:
     """Remove stale ``step_<N>.tmp`` dirs (only those: a user's ``step_best.tmp/`` stays)
     and all but the newest ``keep_last`` complete checkpoints written by run ``run_id``, and
-    the newest good one (``is_good``); other runs' checkpoints are left alone."""
+    the newest good one (``is_good``) and those marked ``KEEP`` (a run's best checkpoints, a
+    rollback's target); other runs' checkpoints are left alone."""
     for d in root.iterdir():
         if STEP_TMP.match(d.name) and d.is_dir() and written_by_save(d):
             shutil.rmtree(d, ignore_errors=True)
     if keep_last:
         mine = [d for _, d in _complete_steps(root) if run_id_of(d) == run_id]
         keep = set(mine[-keep_last:]) | set([d for d in mine if is_good(d)][-1:])
+        keep |= {d for d in mine if (d / KEEP).is_file()}  # the trainer needs it (best.json)
         for d in mine:
             if d not in keep:
                 _delete(d)
@@ -161,6 +164,7 @@ def _set_aside_foreign(final: Path, run_id: str | None) -> None:
 
 __all__ = [
     "DIVERGED",
+    "KEEP",
     "MARKER",
     "ROLLOUT_OK",
     "STEP_DIR",

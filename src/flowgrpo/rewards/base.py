@@ -32,6 +32,9 @@ _REGISTRY: dict[str, Any] = {
     "jpeg_incompressibility": "flowgrpo.rewards.jpeg:jpeg_incompressibility",
     "digits": "flowgrpo.toy.reward:digits_reward",
     "digits_eval": "flowgrpo.toy.reward:digits_eval",
+    "digits_ink": "flowgrpo.toy.reward:digits_ink",
+    "digits_judge": "flowgrpo.toy.reward:digits_judge_reward",
+    "digits_pairwise": "flowgrpo.toy.reward:digits_pairwise",
     "clip_score": "flowgrpo.rewards.clip:ClipScore",
     "pickscore": "flowgrpo.rewards.clip:PickScore",
     "remote": "flowgrpo.rewards.remote:RemoteReward",
@@ -118,14 +121,26 @@ def build_reward(name_or_import_path: str, **options: Any) -> RewardFn:
         raise ValueError(f"reward {name_or_import_path!r} resolved to a non-callable {obj!r}")
     if not options:
         return obj
-    _check_options(obj, options, name_or_import_path, skip=3)  # images, prompts, metadata
+    # images, prompts, metadata (a pairwise reward: images_a, images_b, prompts, metadata)
+    _check_options(obj, options, name_or_import_path, skip=4 if is_pairwise(obj) else 3)
 
-    def bound(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardOutput:
-        return obj(images, prompts, metadata, **options)
+    def bound(*args: Any) -> RewardOutput:
+        return obj(*args, **options)
 
     bound.__name__ = getattr(obj, "__name__", "reward")
     bound.accepts_video = getattr(obj, "accepts_video", False)  # type: ignore[attr-defined]
+    bound.pairwise = is_pairwise(obj)  # type: ignore[attr-defined]
     return bound
+
+
+def is_pairwise(fn: Any) -> bool:
+    """Whether ``fn`` is a pairwise reward (``pairwise = True``): it is called as
+    ``fn(images_a, images_b, prompts, metadata)`` on two batches of B images of the same
+    prompts and returns B outcomes in [0, 1], how far each image of ``images_a`` beats its
+    partner in ``images_b`` (1 better, 0 worse, 0.5 a tie; a judge's probability is
+    allowed). The trainer turns its outcomes over every pair of a group into win rates
+    (``flowgrpo.algo.advantages.win_rates``, Pref-GRPO)."""
+    return bool(getattr(fn, "pairwise", False))
 
 
 def _check_options(fn: Callable, options: Mapping[str, Any], name: str, skip: int) -> None:
@@ -211,6 +226,8 @@ def lift_to_video(fn: Any, frames: str | int = "all", name: str = "reward") -> A
     entry by entry. A video reward that sets ``scores_chosen_frames = True`` (the remote
     client) gets the videos cut to the chosen frames [B, C, n, H, W]."""
     frames = check_frames(frames, f"reward {name!r} option frames")
+    if is_pairwise(fn):  # a pairwise judge gets what it is given (images or videos)
+        return fn
     if takes_video(fn):
         if frames == "all" or not getattr(fn, "scores_chosen_frames", False):
             return fn
@@ -297,9 +314,11 @@ def _with_device(name: str, options: Mapping[str, Any], device: Any) -> dict[str
 class MultiReward:
     """Evaluate several rewards on one batch -> ``{name: Tensor[B] float32}``.
 
-    A component returning a dict contributes entries named ``"<label>/<key>"``. ``weight_of``
-    gives an output name's weight, ``weights_of`` those of a scored batch (what the algorithm
-    combines them with). Each reward gets its own
+    A component returning a dict contributes entries named ``"<label>/<key>"``. Pairwise
+    rewards (``is_pairwise``) are not scored by a call: ``score_pairs`` scores them on pairs
+    of images (``pairwise_labels`` names them). ``weight_of`` gives an output name's weight,
+    ``weights_of`` those of a scored batch (what the algorithm combines them with). Each
+    reward gets its own
     copy of the images and metadata; any exception it raises, SystemExit included (not
     KeyboardInterrupt), becomes ``RuntimeError("reward 'NAME' failed: ...")``.
     """
@@ -317,6 +336,59 @@ class MultiReward:
             )
             for s in self.specs
         }
+
+    @property
+    def pairwise_labels(self) -> list[str]:
+        """Labels of the pairwise rewards (scored by ``score_pairs``, not by a call)."""
+        return [k for k, fn in self.fns.items() if is_pairwise(fn)]
+
+    def score_pairs(
+        self,
+        images: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict] | None,
+        firsts: Sequence[int],
+        seconds: Sequence[int],
+        *,
+        chunk: int = 512,
+    ) -> dict[str, torch.Tensor]:
+        """Each pairwise reward's outcomes on the pairs (images[firsts[p]], images[seconds[p]])
+        -> {label: [P] float32 in [0, 1]}; the pair's prompt and metadata are its first
+        sample's. Scored ``chunk`` pairs a call. A failure is a RuntimeError naming the
+        reward, as a call's is."""
+        if metadata is None:
+            metadata = [{} for _ in prompts]
+        validate_images(images, prompts, metadata)
+        firsts, seconds = list(firsts), list(seconds)
+        out: dict[str, torch.Tensor] = {}
+        for label in self.pairwise_labels:
+            fn, parts = self.fns[label], []
+            for lo in range(0, len(firsts), chunk):
+                a, b = firsts[lo : lo + chunk], seconds[lo : lo + chunk]
+                try:
+                    raw = fn(
+                        images[a].to(torch.float32, copy=True),
+                        images[b].to(torch.float32, copy=True),
+                        [prompts[i] for i in a],
+                        copy.deepcopy([metadata[i] for i in a]),
+                    )
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:  # as in __call__: never end the run quietly
+                    what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                    raise _tag(RuntimeError(f"reward {label!r} failed: {what}"), label) from e
+                try:
+                    t = to_score_tensor(raw, len(a), label)
+                    if not bool(((t >= 0) & (t <= 1)).all()):
+                        raise ValueError(
+                            f"pairwise reward {label!r} returned outcomes outside [0, 1]: "
+                            f"{t[(t < 0) | (t > 1)][:3].tolist()}"
+                        )
+                except ValueError as e:
+                    raise _tag(e, label) from None
+                parts.append(t)
+            out[label] = torch.cat(parts) if parts else torch.zeros(0)
+        return out
 
     @classmethod
     def from_functions(
@@ -353,6 +425,8 @@ class MultiReward:
         b = images.shape[0]
         out: dict[str, torch.Tensor] = {}
         for label, fn in self.fns.items():
+            if is_pairwise(fn):  # scored on pairs: score_pairs
+                continue
             # Each reward gets its own copy of the inputs: one that edits them in place
             # (images.mul_(0), metadata[i]["k"] = ...) cannot corrupt the caller's eval images
             # and grids, nor the next reward's input. A copy is cheap next to any real reward.

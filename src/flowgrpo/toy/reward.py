@@ -8,6 +8,8 @@ as ``digits`` (the training reward) and ``digits_eval`` (the eval-only scores).
   never sees, so reward hacking (images the MLP likes but are not digits) shows as a gap.
 - ``diversity``: mean per-pixel std across samples of the same digit (real data: 0.33), which
   falls when the policy collapses to one image per prompt.
+- ``digits_ink`` (mean brightness, a term to hack) and ``digits_pairwise`` (``digits``
+  judged in pairs, optionally plus ink: a pairwise reward, ``flowgrpo.rewards.is_pairwise``).
 - ``digits_eval``: the three as per-sample scores for ``eval_reward`` (accuracy under the
   reward classifier, accuracy under the judge, the sample's digit's diversity).
 
@@ -132,6 +134,49 @@ def digits_reward(
     return probs.gather(1, digits[:, None])[:, 0].tolist()
 
 
+def digits_ink(
+    images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+) -> list[float]:
+    """Mean brightness of each image on the classifier's 8x8 grey grid, B floats in [0, 1]:
+    "ink". A term an image maximises by painting its background, not by being a better digit:
+    added to ``digits`` (``reward=digits:1,digits_ink:W``) it makes the toy's reward hackable
+    (docs/reward_hacking.md)."""
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} images")
+    return ((to_classifier_input(images) + 1) / 2).mean(dim=1).tolist()
+
+
+def digits_pairwise(
+    images_a: torch.Tensor,
+    images_b: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[dict] | None = None,
+    ink_weight: float = 0.0,
+    margin: float = 0.0,
+) -> list[float]:
+    """A pairwise version of ``digits`` (Pref-GRPO's pairwise judge, on the toy): 1 where
+    image a's score beats image b's by more than ``margin``, 0 where b's beats a's, 0.5
+    otherwise (a tie). The score is the classifier's probability of the prompt's digit, plus
+    ``ink_weight`` x ``digits_ink`` (the hackable reward ``digits:1,digits_ink:W`` judged in
+    pairs). B outcomes."""
+    if images_a.shape != images_b.shape or len(prompts) != images_a.shape[0]:
+        raise ValueError(
+            f"got images {tuple(images_a.shape)} and {tuple(images_b.shape)} for "
+            f"{len(prompts)} prompts"
+        )
+    scores = []
+    for images in (images_a, images_b):
+        p = torch.tensor(digits_reward(images, prompts, metadata))
+        if ink_weight:
+            p = p + ink_weight * torch.tensor(digits_ink(images, prompts, metadata))
+        scores.append(p)
+    diff = scores[0] - scores[1]
+    return torch.where(diff > margin, 1.0, torch.where(diff < -margin, 0.0, 0.5)).tolist()
+
+
+digits_pairwise.pairwise = True  # type: ignore[attr-defined]
+
+
 def digits_accuracy(
     images: torch.Tensor,
     digits: Sequence[int] | torch.Tensor,
@@ -159,6 +204,17 @@ def digits_judge(images: torch.Tensor, digits: Sequence[int] | torch.Tensor) -> 
         raise ValueError(f"got {digits.numel()} digits for {images.shape[0]} images")
     pred = _judge().predict(to_classifier_input(images).numpy())
     return float((torch.as_tensor(pred) == digits).float().mean())
+
+
+def digits_judge_reward(
+    images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+) -> torch.Tensor:
+    """Registered as ``digits_judge``: 1 where the independent SVC judge reads the prompt's
+    digit, else 0, per sample (its mean is ``digits_judge``'s accuracy). The toy's gold
+    reward (``eval.gold_reward=digits_judge``): the policy never trains on it."""
+    digits = torch.tensor(target_digits(prompts, metadata), dtype=torch.long)
+    pred = torch.as_tensor(_judge().predict(to_classifier_input(images).numpy()))
+    return (pred == digits).float()
 
 
 def diversity(images: torch.Tensor, digits: Sequence[int] | torch.Tensor | None = None) -> float:
@@ -207,7 +263,10 @@ __all__ = [
     "digit_probs",
     "digits_accuracy",
     "digits_eval",
+    "digits_ink",
     "digits_judge",
+    "digits_judge_reward",
+    "digits_pairwise",
     "digits_reward",
     "diversity",
     "load_classifier",

@@ -14,7 +14,7 @@ import torch
 
 from flowgrpo.engine.dist import init_distributed
 from flowgrpo.trainer.figures import fitted_sources, save_grid, save_images
-from flowgrpo.trainer.run import Run, evaluate, marking_checkpoint, rollout
+from flowgrpo.trainer.run import Run, eval_images, evaluate, marking_checkpoint, rollout
 from flowgrpo.trainer.run_folder import resolve_checkpoint
 from flowgrpo.trainer.seeds import SAMPLE_SALT
 
@@ -27,6 +27,9 @@ def _restored(
     run = Run(cfg, init_distributed(), purpose, prompts)
     if checkpoint is not None:
         from flowgrpo.engine.checkpoint import load_checkpoint
+
+        if run.reward is not None and run.reward.pairwise_labels:  # judged against the base
+            run.base_images = eval_images(run)[4].detach().cpu().clone()
 
         load_checkpoint(run.engine, resolve_checkpoint(checkpoint))
     return run

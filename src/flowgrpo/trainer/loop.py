@@ -24,8 +24,9 @@ import torch
 
 from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.algorithms.base import RolloutPlan
-from flowgrpo.config.loader import config_to_dict
+from flowgrpo.config.loader import apply_settings, config_to_dict, rollback_config
 from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
+from flowgrpo.config.schema import ConfigError, flat_keys
 from flowgrpo.data.prompts import check_divides, rank_slice, source_images
 from flowgrpo.engine.dist import (
     all_gather_object,
@@ -34,14 +35,16 @@ from flowgrpo.engine.dist import (
     seed_everything,
 )
 from flowgrpo.rewards import AsyncRewardScorer
-from flowgrpo.trainer import setup
+from flowgrpo.trainer import guard, setup
 from flowgrpo.trainer.commands import run_eval, run_export_lora, run_sample
 from flowgrpo.trainer.figures import reward_notes, save_grid
 from flowgrpo.trainer.logging import RunLogger, startup_banner, wants_bar, write_final_report
+from flowgrpo.trainer.preference import pairwise_rewards
 from flowgrpo.trainer.refill import refill
 from flowgrpo.trainer.run import (
     EvalGrid,
     Run,
+    eval_images,
     evaluate,
     gather_rewards,
     marking_checkpoint,
@@ -70,33 +73,52 @@ def run_training(cfg: Any) -> dict[str, Any]:
     """Train per ``cfg``; returns {"base": eval metrics, "final": eval metrics, "steps",
     "samples", "wall_s", "output_dir", paths of the figures}. The run folder is locked while
     it runs (``run_folder.lock_output_dir``), released however it ends."""
+    rollback: guard.GuardRollback | None = None
     try:
-        return _run_training(cfg)
+        while True:
+            try:
+                return _run_training(cfg, rollback)
+            except guard.GuardRollback as rb:  # resume from the best-gold checkpoint
+                release_output_dir()
+                rollback, cfg = rb, rollback_config(cfg)  # with guard.on_rollback applied
     finally:
         release_output_dir()
 
 
-def _run_training(cfg: Any) -> dict[str, Any]:
+def _run_training(cfg: Any, rollback: guard.GuardRollback | None = None) -> dict[str, Any]:
     wall0 = time.perf_counter()
     dist = init_distributed()
     seed_everything(cfg.seed, dist.rank)
     tr = cfg.trainer
     if dist.world_size % cfg.fsdp.sp_degree == 0:  # a clear error before the folder or model
         check_divides(setup.global_batch_size(cfg), dist.world_size // cfg.fsdp.sp_degree)
-    out = prepare_output_dir(cfg, dist, fresh=tr.resume in (None, ""))
+    out = prepare_output_dir(cfg, dist, fresh=tr.resume in (None, "") and not rollback)
     ckpt_root = out / "checkpoints"
-    resume_from = resolve_resume(tr.resume, ckpt_root)
-    if resume_from is not None:  # before anything heavy loads
+    resume_from = rollback.target if rollback else resolve_resume(tr.resume, ckpt_root)
+    applied: dict[str, Any] = {}
+    if resume_from is not None and rollback is None:  # before anything heavy loads
+        applied = guard.recorded_settings(resume_from)
+        if applied:  # the run rolled back before: it goes on with what the rollback set
+            cfg = apply_settings(cfg, applied)
+            tr = cfg.trainer
         check_resume(cfg, resume_from)
     record = record_text(cfg)  # config.yaml of the run folder and of each checkpoint
     if dist.is_main:
         (out / RUN_CONFIG).write_text(record)
     run = Run(cfg, dist)
     run.ckpt_root = ckpt_root
+    if cfg.sample.refill_rounds > 0 and run.reward.pairwise_labels:
+        raise ConfigError(  # a refilled group's win rates would mix two rollouts' pairs
+            f"config key 'sample.refill_rounds' is {cfg.sample.refill_rounds} with pairwise "
+            f"reward(s) {', '.join(run.reward.pairwise_labels)}: refill scores points, not "
+            "pairs; set sample.refill_rounds=0"
+        )
     from flowgrpo.engine.checkpoint import load_checkpoint, run_id_of, save_checkpoint
 
     state: dict[str, Any] = {"step": 0, "samples": 0, "base_eval": None}
     if resume_from is not None:
+        if run.reward.pairwise_labels:  # the base model's eval images, before the weights load
+            run.base_images = eval_images(run)[4].detach().cpu().clone()
         _, extra = load_checkpoint(run.engine, resume_from)
         run.checkpoint = resume_from
         state.update(extra or {})
@@ -104,6 +126,13 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         run.sampler.load_state_dict(state["sampler"])  # the same draw, or a clear error
     else:
         state["run_id"] = new_run_id()
+    if rollback is not None:  # the tripped run's guard record, back at the target's step
+        rolled = flat_keys(cfg.guard.on_rollback)
+        state["guard"] = guard.after_rollback(rollback, state["step"], rolled)
+    state.setdefault("guard", guard.new_record())
+    if dist.is_main:
+        guard.drop_missing(state["guard"])  # checkpoints pruned or moved aside meanwhile
+    state["guard"] = all_gather_object(state["guard"])[0]  # rank 0's view of the disk
     # a resume (or resume=auto finding no checkpoint to take: from step 0) abandons what is later
     resumed_step = state["step"] if resume_from is not None or tr.resume == "auto" else None
     notes = tidy_on_start(out, ckpt_root, resumed_step, state["run_id"]) if dist.is_main else []
@@ -137,11 +166,21 @@ def _run_training(cfg: Any) -> dict[str, Any]:
     )
     for line in notes:
         logger.write(line)
+    if applied:
+        logger.write(f"guard: this run rolled back before; it goes on with {applied}")
+    if rollback is not None:
+        logger.write(
+            f"{rollback.line}; rollback {state['guard']['rollbacks']} of "
+            f"{cfg.guard.max_rollbacks}: resumed from {resume_from} with "
+            f"{flat_keys(cfg.guard.on_rollback) or 'no setting changed'}"
+        )
     if run.engine.optim_changes:
         logger.write(setup.optim_changes_line(run.engine.optim_changes, state["step"] + 1))
     if state["base_eval"] is None:  # step 0: the base model
         t = time.perf_counter()
         state["base_eval"], grid = evaluate(run, "base eval")
+        if run.gold is not None:
+            guard.on_eval(cfg, state["guard"], 0, state["base_eval"])
         logger.log_eval({"step": 0, "samples": 0, **state["base_eval"]})  # deterministic
         logger.write(f"base eval: {time.perf_counter() - t:.1f} s")
         if dist.is_main:
@@ -155,8 +194,8 @@ def _run_training(cfg: Any) -> dict[str, Any]:
                 grid.sources,
             )
             logger.log_images("eval/images", grid.images, 0, run.grid_cols, *grid[1:])
-    final_eval, grid, checkpoint_s = None, None, None
-    while state["step"] < tr.max_steps:
+    final_eval, grid, checkpoint_s, trip = None, None, None, None
+    while state["step"] < tr.max_steps and trip is None:
         step = state["step"] + 1
         # rollout -> rewards -> advantages -> update
         metrics = train_one_step(run, step)
@@ -178,15 +217,19 @@ def _run_training(cfg: Any) -> dict[str, Any]:
         # eval
         if _due(step, tr.eval_every, tr.max_steps):
             t = time.perf_counter()
-            final_eval, grid = evaluate(run, f"eval at step {step}")
+            final_eval, grid = evaluate(run, f"eval at step {step}", state["base_eval"])
+            if run.gold is not None:  # the guard: gold down while the reward rose?
+                trip = guard.on_eval(cfg, state["guard"], step, final_eval)
             row.update(final_eval)
             row["time/eval_s"] = time.perf_counter() - t
             logger.log_eval({"step": step, "samples": state["samples"], **final_eval})
             logger.log_images("eval/images", grid.images, step, run.grid_cols, *grid[1:])
         logger.log_step(row)
-        # checkpoint
-        if _due(step, tr.save_every, tr.max_steps):
+        # checkpoint (a trip saves its step: a resume goes on from it, a rollback retires it)
+        if _due(step, tr.save_every, tr.max_steps) or trip is not None:
             t = time.perf_counter()
+            if run.gold is not None:  # the record names the checkpoint it is saved in
+                guard.record_checkpoint(state["guard"], step, ckpt_root / f"step_{step}")
             run.checkpoint = save_checkpoint(
                 run.engine,
                 ckpt_root,
@@ -199,9 +242,25 @@ def _run_training(cfg: Any) -> dict[str, Any]:
             checkpoint_s = time.perf_counter() - t
             if run.rollout_ok:  # this step's eval was finite: a good one
                 mark_good(run.checkpoint, dist)
+            if run.gold is not None and dist.is_main:  # best.json, KEEP markers
+                guard.write_best(out, state["guard"])
+        if trip is not None:  # stop (one line), or raise GuardRollback
+            try:
+                trip = guard.act_on_trip(cfg, state["guard"], trip, logger.write)
+            except guard.GuardRollback:
+                logger.close()  # run_training resumes from the target with a new logger
+                raise
+            if dist.is_main:  # best.json with the stop
+                guard.write_best(out, state["guard"])
     if final_eval is None:  # resumed at the end already: evaluate the final weights again
-        final_eval, grid = evaluate(run, f"eval at step {state['step']}")
+        final_eval, grid = evaluate(run, f"eval at step {state['step']}", state["base_eval"])
     summary: dict[str, Any] = {
+        # the guard: the line it stopped the run with (None: it did not), its rollbacks
+        "guard": {
+            "stopped": trip,
+            "rollbacks": int(state["guard"].get("rollbacks", 0)),
+            "events": list(state["guard"].get("events", [])),
+        },
         "base": state["base_eval"],
         "final": final_eval,
         "steps": state["step"],
@@ -248,6 +307,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
             run, plan, prompts, metadata, mine, step, locations, mine_groups
         )
     rewards = gather_rewards(run, local)
+    rewards.update(pairwise_rewards(run, traj.images, prompts, metadata, groups))  # win rates
     group_ids, positions, refilled = torch.tensor(groups), torch.arange(start, start + count), {}
     if cfg.sample.refill_rounds > 0 and plan.train:  # constant groups replaced (trainer/refill.py)
 

@@ -25,6 +25,7 @@ from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources
+from flowgrpo.trainer.preference import gold_metrics, pairwise_eval
 from flowgrpo.trainer.quiet import quiet_known_noise
 from flowgrpo.trainer.run_folder import mark_diverged, mark_good
 from flowgrpo.trainer.seeds import EVAL_SALT, generators, group_generators
@@ -47,10 +48,14 @@ class Run:
         # frames per video (None: an image family), checked once; every rollout plan carries it
         self.num_frames = self.adapter.check_num_frames(cfg.model.num_frames)
         self.reward = self.eval_reward = self.train_data = self.sampler = self.eval_set = None
+        self.gold = None
+        # this rank's eval images of the base model: what pairwise rewards judge evals against
+        self.base_images: torch.Tensor | None = None
         if purpose in ("train", "eval"):
             self.reward = setup.build_rewards(cfg.reward, dist.device)
             # eval only, the whole set at once
             self.eval_reward = setup.build_rewards(cfg.eval_reward, dist.device)
+            self.gold = setup.build_rewards(cfg.eval.gold_reward, dist.device)  # never trained
             if purpose == "train":
                 self.train_data, self.sampler, self.eval_set = setup.build_data(cfg)
             else:
@@ -251,11 +256,9 @@ class EvalGrid(NamedTuple):
     sources: torch.Tensor | None = None
 
 
-def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
-    """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
-    grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
-    eval", "eval at step 4"). A finite rollout marks the checkpoint holding these weights good,
-    a non-finite one diverged (``marking_checkpoint``; none outside a training run)."""
+def eval_images(run: Run) -> tuple[list[int], int, list[str], list[dict], torch.Tensor]:
+    """This rank's eval samples: (indices, how many are real, prompts, metadata, images of the
+    real ones), ODE with the fixed eval noise. Marks the checkpoint holding the weights."""
     ev = run.eval_set
     idx, real = setup.padded_shard(len(ev), run.engine.dp_rank, run.engine.dp_size)
     prompts, metadata = ev.select(idx)
@@ -269,11 +272,31 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
             eval=True,
             images=source_images(metadata),
         ).images[:real]
+    return idx, real, prompts, metadata, images
+
+
+def evaluate(
+    run: Run, when: str = "eval", base: dict[str, float] | None = None
+) -> tuple[dict[str, float], EvalGrid]:
+    """ODE samples of the fixed eval prompts with fixed noise -> (``eval/...`` metrics, the
+    grid's images with their prompts and rewards). ``when`` names the eval in errors ("base
+    eval", "eval at step 4"); ``base``: the base eval's metrics (the reference of
+    ``eval/hacking_gap``; None at the base eval itself). A finite rollout marks the checkpoint
+    holding these weights good, a non-finite one diverged (``marking_checkpoint``; none
+    outside a training run). Pairwise rewards judge each image against the base model's
+    (``run.base_images``, kept at the first eval); gold rewards score every image at once."""
+    ev = run.eval_set
+    idx, real, prompts, metadata, images = eval_images(run)
+    if run.base_images is None:  # the base eval: what pairwise rewards judge later evals by
+        run.base_images = images.detach().cpu().clone()
     where = [ev.locations[i] for i in idx[:real]]
     local = None
     if run.engine.sp_rank == 0:  # an SP group scores once
         with reward_failures(run.reward, images, prompts[:real], metadata[:real], where, when):
             local = run.reward(images, prompts[:real], metadata[:real])
+            local.update(
+                pairwise_eval(run, images, run.base_images, prompts[:real], metadata[:real])
+            )
     rewards = gather_rewards(run, local)
     total = sum((run.reward.weight_of(k) or 0.0) * v for k, v in rewards.items())
     out = {"eval/reward_mean": float(total.mean())}
@@ -292,6 +315,11 @@ def evaluate(run: Run, when: str = "eval") -> tuple[dict[str, float], EvalGrid]:
         out.update(
             {f"eval/{name.rpartition('/')[2]}": float(v.mean()) for name, v in scores.items()}
         )
+    if run.gold is not None:  # gold rewards: never trained on, every image at once
+        every = torch.cat(gather_group_firsts(run, images))
+        with reward_failures(run.gold, every, ev.prompts, ev.metadata, ev.locations, when):
+            scores = run.gold(every, ev.prompts, ev.metadata)
+        out.update(gold_metrics(run.gold, scores, base, out))
     grid = torch.cat(shown).float() / 255 if run.dist.is_main else torch.empty(0)
     order = sorted(run.grid_index)  # the grid's images, in the global order of `shown`
     if sources is not None:
@@ -306,6 +334,7 @@ __all__ = [
     "NonFiniteRollout",
     "Run",
     "diverged_message",
+    "eval_images",
     "evaluate",
     "gather_group_firsts",
     "gather_rewards",

@@ -1,0 +1,132 @@
+"""Figures and tables of the reward-hacking bench (``bench/hacking.py``) for
+docs/reward_hacking.md: judge accuracy (the gold reward) and training reward against step per
+variant and seed, the guard's outcomes, pairwise against pointwise."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from pathlib import Path
+
+from bench.hacking import DOC, MAX_DROP, ROOT, SEEDS
+
+BEGIN, END = "<!-- BEGIN hacking bench -->", "<!-- END hacking bench -->"
+FIGURE = ROOT / "docs" / "reward_hacking_curves.png"
+COLORS = {"none": "tab:red", "stop": "tab:blue", "rollback": "tab:green", "pairwise": "tab:purple"}
+
+
+def plot(res: dict, path: Path) -> None:
+    """Two panels: judge accuracy and eval training reward against step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for variant, seeds in res.items():
+        for seed, r in seeds.items():
+            steps = [c[0] for c in r["curve"]]
+            label = variant if seed == min(seeds) else None
+            c = COLORS.get(variant, "k")
+            a.plot(steps, [x[1] for x in r["curve"]], color=c, label=label, alpha=0.8)
+            if variant != "pairwise":  # its eval reward is a win rate against the base
+                b.plot(steps, [x[2] for x in r["curve"]], color=c, label=label, alpha=0.8)
+            if r["retired"]:  # a rollback's retired branch, dotted
+                xs = sorted(r["retired"])
+                a.plot([x[0] for x in xs], [x[1] for x in xs], color=c, ls=":", alpha=0.6)
+    a.set(xlabel="step", ylabel="judge accuracy (gold reward)", title="gold: the SVC judge")
+    b.set(xlabel="step", ylabel="eval reward (digits + 0.5 ink)", title="training reward")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _med(xs: list, fmt: str = ".3f") -> str:
+    """The median of the known values (``—``: none), and how many of them there are."""
+    known = [x for x in xs if x is not None]
+    if not known:
+        return f"— (0 of {len(xs)})"
+    return f"{statistics.median(known):{fmt}} ({len(known)} of {len(xs)})"
+
+
+def tables(res: dict) -> str:
+    """The per-seed table and the pass/fail of each claim."""
+    lines = [
+        "| variant | seed | last step | judge peak (step) | judge last | fall after peak | "
+        "reward at peak → last | best-gold checkpoint (judge) | rollbacks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, seeds in res.items():
+        for seed, r in sorted(seeds.items()):
+            best = (
+                "—" if r["best_gold"] is None else f"step {r['best_step']} ({r['best_gold']:.3f})"
+            )
+            lines.append(
+                f"| {variant} | {seed} | {r['last_step']} | {r['peak']:.3f} ({r['peak_step']}) | "
+                f"{r['last']:.3f} | {r['fall']:.3f} | {r['reward_at_peak']:.3f} → "
+                f"{r['reward_last']:.3f} | {best} | {r['rollbacks']} |"
+            )
+    checks = []
+    none = res.get("none", {})
+    for seed, r in sorted(none.items()):
+        rose = r["reward_last"] > r["reward_at_peak"]
+        fell = r["fall"] >= MAX_DROP
+        checks.append(
+            f"- none, seed {seed}: judge peaks at step {r['peak_step']} ({r['peak']:.3f}) and "
+            f"falls {r['fall']:.3f} by step {r['last_step']} while the reward goes "
+            f"{r['reward_at_peak']:.3f} → {r['reward_last']:.3f}: "
+            f"{'hacking shown' if rose and fell else 'NOT shown (yet)'}"
+        )
+    for seed, r in sorted(res.get("stop", {}).items()):
+        ref = none.get(seed)
+        if ref is None or r["best_gold"] is None:
+            continue
+        evals_after = (r["last_step"] - ref["peak_step"]) // 5
+        checks.append(
+            f"- stop, seed {seed}: stopped at step {r['last_step']} "
+            f"({evals_after} evals after the unguarded peak at {ref['peak_step']}); best "
+            f"checkpoint's judge {r['best_gold']:.3f} = {r['best_gold'] / ref['peak']:.3f}× "
+            f"the peak (target ≥ 0.98×, within 2 evals)"
+        )
+    for seed, r in sorted(res.get("rollback", {}).items()):
+        ref = none.get(seed)
+        if ref is None:
+            continue
+        checks.append(
+            f"- rollback, seed {seed}: ends at step {r['last_step']} with judge {r['last']:.3f} "
+            f"(peak {ref['peak']:.3f}; target ≥ peak − 0.02 = {ref['peak'] - 0.02:.3f}), "
+            f"{r['rollbacks']} rollback(s)"
+        )
+    side = [
+        "",
+        "| reward | judge ≥ 0.9 at step (median) | judge ≥ 0.95 | peak judge | fall after the peak |",
+    ]
+    side.append("|---|---|---|---|---|")
+    for variant in ("none", "pairwise"):
+        seeds = res.get(variant, {})
+        if not seeds:
+            continue
+        name = "pointwise (digits + 0.5 ink)" if variant == "none" else "pairwise (same score)"
+        side.append(
+            f"| {name} | {_med([r['to_0.9'] for r in seeds.values()], 'g')} | "
+            f"{_med([r['to_0.95'] for r in seeds.values()], 'g')} | "
+            f"{_med([r['peak'] for r in seeds.values()])} | "
+            f"{_med([r['fall'] for r in seeds.values()])} |"
+        )
+    return "\n".join(lines + [""] + checks + side)
+
+
+def write_report(res: dict, out: Path) -> None:
+    """The curves PNG, and the tables between the markers of docs/reward_hacking.md."""
+    plot(res, FIGURE)
+    for name in ("grid_before.png", "grid_after.png"):
+        src = out / "none_s0" / name
+        if src.is_file():
+            shutil.copy(src, ROOT / "docs" / f"reward_hacking_{name}")
+    text = DOC.read_text()
+    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    seeds = ", ".join(map(str, SEEDS))
+    body = f"\n\n![judge and reward curves]({FIGURE.name})\n\nSeeds {seeds}.\n\n{tables(res)}\n\n"
+    DOC.write_text(text[:a] + body + text[b:])

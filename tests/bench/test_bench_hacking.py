@@ -1,0 +1,44 @@
+"""The reward-hacking bench's summary of run folders (no training): peak, fall, crossings."""
+
+import json
+
+from bench.hacking import command, summarize
+from bench.hacking_report import tables
+
+
+def _run(folder, curve, best=None):
+    folder.mkdir(parents=True)
+    rows = [{"step": s, "eval/gold/digits_judge": j, "eval/reward_mean": r} for s, j, r in curve]
+    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if best is not None:
+        (folder / "best.json").write_text(json.dumps(best))
+
+
+def test_summary_of_a_hacked_and_a_stopped_run(tmp_path):
+    _run(tmp_path / "none_s0", [(0, 0.6, 0.7), (5, 0.92, 0.9), (10, 0.96, 1.0), (15, 0.9, 1.1)])
+    best = {"gold": {"step": 10, "gold": 0.96, "checkpoint": "c"}, "rollbacks": 0}
+    _run(
+        tmp_path / "stop_s0", [(0, 0.6, 0.7), (5, 0.92, 0.9), (10, 0.96, 1.0), (15, 0.9, 1.1)], best
+    )
+    res = summarize(tmp_path)
+    r = res["none"][0]
+    assert (r["peak"], r["peak_step"], r["last"], r["to_0.9"], r["to_0.95"]) == (
+        0.96,
+        10,
+        0.9,
+        5,
+        10,
+    )
+    assert abs(r["fall"] - 0.06) < 1e-12 and r["reward_last"] > r["reward_at_peak"]
+    text = tables(res)
+    assert "none, seed 0: judge peaks at step 10 (0.960) and falls 0.060 by step 15" in text
+    assert "hacking shown" in text
+    assert "stop, seed 0: stopped at step 15 (1 evals after the unguarded peak at 10)" in text
+    assert "1.000× the peak" in text
+
+
+def test_commands_name_the_variant_and_seed(tmp_path):
+    cmd = command("rollback", 2, tmp_path)
+    assert "guard.action=rollback" in cmd and "seed=2" in cmd
+    assert f"run.output_dir={tmp_path / 'rollback_s2'}" in cmd
+    assert "eval.gold_reward=digits_judge" in cmd
