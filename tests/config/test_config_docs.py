@@ -12,7 +12,7 @@ import yaml
 
 from flowgrpo.config import load_config
 from flowgrpo.config.docs import commented_yaml, key_help, markdown_table
-from flowgrpo.config.loader import valid_keys
+from flowgrpo.config.loader import REWARD_LISTS, valid_keys
 from flowgrpo.config.schema import Config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
@@ -33,7 +33,8 @@ def test_every_field_has_help_and_is_documented() -> None:
     for key, f in fields.items():
         assert f.metadata.get("help"), f"{key} has no help text"
     leaves = {k for k in valid_keys() if not any(v.startswith(k + ".") for v in valid_keys())}
-    assert set(key_help()) == leaves | {"reward", "eval_reward"}
+    assert set(key_help()) == leaves | set(REWARD_LISTS)
+    assert {"reward", "eval_reward", "eval.gold_reward"} <= set(REWARD_LISTS)
     doc = DOC.read_text()
     assert markdown_table() in doc, "regenerate: make docs (python -m flowgrpo.config.docs --write)"
     for key in key_help():
