@@ -207,7 +207,7 @@ def bench_training(kind: str, s: BenchSettings) -> dict[str, float]:
     policy's no-grad doubled forward. ``cfg_cond_only_over_exact`` reports what the opt-in,
     biased ``cfg_grad="cond_only"`` would save.
     """
-    from flowgrpo.algo import flow_grpo_loss, kl_penalty_image
+    from flowgrpo.functional import flow_grpo_loss, kl_penalty_image
     from flowgrpo.rollout import SDEWindow, trajectory_log_prob
 
     pipe, adapter, prompts, negatives, latents = _setup(kind, s)

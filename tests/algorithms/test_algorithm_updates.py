@@ -97,7 +97,7 @@ def test_second_optimizer_step_sees_its_ratio_and_clips(dist1, algorithm, clip):
     clipped), the second after an update. Its ratio mean and clip fraction equal an independent
     recomputation at the weights after step 1: Flow-GRPO's exp(log p - log p_old); GRPO-Guard's
     exp((log p - log p_old + mean_d(delta^2)/(2 s^2)) s) with s = std_t sqrt(-dt), per sample."""
-    from flowgrpo.algo.sde import sde_step_with_logprob
+    from flowgrpo.functional.sde import sde_step_with_logprob
 
     over = {f"{algorithm}.clip_range": clip, f"{algorithm}.kl_beta": 0.0,
             "update.num_minibatches": 2, "update.micro_batch_size": 2}  # fmt: skip
@@ -163,8 +163,8 @@ def test_mix_grpo_flash_grid_dpm_tail_and_x0_hand_off(dist1):
     of the adapter's grid, then 5 points to 0); the final latents equal the window's last latent
     carried through the tail by hand with DPM-Solver++ 2M, whose first step takes the last SDE
     step's x0 = x - sigma v as its history (without it the result differs)."""
-    from flowgrpo.algo.dpm_solver import dpm_solver_2m_step
     from flowgrpo.algorithms.mix_grpo import flash_schedule
+    from flowgrpo.functional.dpm_solver import dpm_solver_2m_step
 
     over = {"mix_grpo.flash": True, "mix_grpo.window_size": 4, "mix_grpo.compress_ratio": 0.8,
             "sample.num_steps": 10, "mix_grpo.kl_beta": 0.0}  # fmt: skip
@@ -224,8 +224,8 @@ def test_flash_schedule_on_the_grids_the_adapters_produce(kind):
     authors' 3) and on the fixed-shift grid: the head is the grid itself, the tail starts at
     sigma_{L+1} exactly, falls strictly to 0, and has n = max(int((N - L) 0.4), 2) points that
     lie on the shift-3 curve through sigma_{L+1}."""
-    from flowgrpo.algo.time_shift import time_shift_grid
     from flowgrpo.algorithms.mix_grpo import flash_schedule
+    from flowgrpo.functional.time_shift import time_shift_grid
     from flowgrpo.models import build_adapter
 
     adapter = build_adapter(ar.pipeline(kind), **ar.frames_option(kind))

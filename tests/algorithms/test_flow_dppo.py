@@ -207,7 +207,7 @@ def test_second_optimizer_step_masks_what_an_independent_recomputation_masks(dis
     """2 optimizer steps per rollout: the first at the rollout's weights (nothing masked), the
     second after an update. Its KL, ratio and masked fraction equal a recomputation at the
     weights after step 1 (sde_step_with_logprob on the adapter's velocity)."""
-    from flowgrpo.algo.sde import sde_step_with_logprob
+    from flowgrpo.functional.sde import sde_step_with_logprob
 
     tau = 1e-9
     over = {"flow_dppo.kl_mask_threshold": tau, "update.num_minibatches": 2,

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.losses import flow_grpo_loss
-from flowgrpo.algo.sde import sde_step_with_logprob
 from flowgrpo.algorithms.grpo_guard import grpo_guard_loss, normalized_log_ratio
+from flowgrpo.functional.losses import flow_grpo_loss
+from flowgrpo.functional.sde import sde_step_with_logprob
 
 A_NOISE = 0.7
 

@@ -1,5 +1,5 @@
 """MixGRPO: the sliding window against hand values and the authors' state machine, and Flash's
-compressed grid against their code (its DPM-Solver++(2M) tail: tests/algo/test_dpm_solver.py)."""
+compressed grid against their code (its DPM-Solver++(2M) tail: tests/functional/test_dpm_solver.py)."""
 
 import pytest
 import torch

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgrpo.algo.sde import sde_step_with_logprob
 from flowgrpo.algorithms import ALGORITHMS, algorithm_class
 from flowgrpo.config import load_config
+from flowgrpo.functional.sde import sde_step_with_logprob
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -122,7 +122,7 @@ def test_docs_say_where_the_editing_sources_differ_from_the_authors_runs() -> No
 def test_mix_grpo_conditioning_and_time_shift_citation() -> None:
     math_md = " ".join((DOCS / "math.md").read_text().split())
     assert "int(σ·1000)/1000" in math_md and "at most 0.00091" in math_md
-    from flowgrpo.algo import time_shift
+    from flowgrpo.functional import time_shift
 
     doc = " ".join(time_shift.time_shift_grid.__doc__.split())
     assert "sampling_utils.py:9-10" in doc and "train_grpo_flux.py:187-189" in doc

@@ -8,7 +8,7 @@ import pytest
 import tinymodel as tm
 import torch
 
-from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
+from flowgrpo.functional.losses import flow_grpo_loss, kl_penalty_image
 from flowgrpo.models.sd3 import SD3Adapter
 from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
 from flowgrpo.testing.tiny import tiny_pipeline

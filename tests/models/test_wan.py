@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from flowgrpo.algo.sde import sde_step_with_logprob
+from flowgrpo.functional.sde import sde_step_with_logprob
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.models.wan import WanAdapter, WanExperts, use_flow_match
 from flowgrpo.rollout import SDEWindow, sample_trajectories, trajectory_log_prob

@@ -129,7 +129,7 @@ def test_the_scan_sees_each_kind_of_naming(tmp_path: Path) -> None:
     }
     clean = {
         "h.py": '"""flow_grpo and nft in a docstring."""\nimport flowgrpo\n',
-        "i.py": "from flowgrpo.algo.losses import flow_grpo_loss  # nft in a comment\n",
+        "i.py": "from flowgrpo.functional.losses import flow_grpo_loss  # nft in a comment\n",
         "j.py": "x = 'flowgrpo nft_old mix_grpo_x'\n",
         "k.py": "HELP = 'Online RL (Flow-GRPO, MixGRPO, DiffusionNFT)'\n",
     }

@@ -1,7 +1,7 @@
 """The package's layers (issue 14): a module imports only from its own layer or below, and
 modules import each other in no circle — counting imports inside functions too.
 
-Layers from the bottom: settings and errors; algo and data; models and rollout; rewards; the
+Layers from the bottom: settings and errors; functional (the shared tensor math) and data; models and rollout; rewards; the
 toy (a model and a reward, above what it uses); engine; algorithms; config and the memory
 planner beside it; trainer; cli. Registries name
 what sits above them by import path strings ("flowgrpo.toy.pipeline:ToyAdapter"), which is not
@@ -17,7 +17,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "flowgrpo"
 LAYERS = [
     {"settings", "errors", "__init__", "__main__"},
-    {"algo", "data"},
+    {"functional", "algo", "data"},  # algo: the old name of functional, a re-export
     {"models", "rollout"},
     {"rewards"},
     {"toy"},

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from flowgrpo.algo.advantages import combine_rewards
+from flowgrpo.functional.advantages import combine_rewards
 from flowgrpo.rewards import (
     AsyncRewardScorer,
     MultiReward,

@@ -17,8 +17,8 @@ import copy
 import pytest
 import torch
 
-from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
-from flowgrpo.algo.sde import sde_step_with_logprob
+from flowgrpo.functional.losses import flow_grpo_loss, kl_penalty_image
+from flowgrpo.functional.sde import sde_step_with_logprob
 from flowgrpo.models import build_adapter
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.models.qwen_image import QwenImageAdapter

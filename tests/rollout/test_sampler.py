@@ -177,7 +177,7 @@ def test_dpm2_ode_rollout_equals_the_solver_step_by_step(sd3):
     ``dpm_solver_2m_step`` fed the previous step's x0 = x - sigma v (first order at the first
     step and into sigma = 0), computed here by hand from the initial latents; it differs from
     the Euler rollout of the same noise."""
-    from flowgrpo.algo.dpm_solver import dpm_solver_2m_step
+    from flowgrpo.functional.dpm_solver import dpm_solver_2m_step
 
     steps, prompts = 6, PROMPTS[:2]
     x0 = sd3.prepare_latents(2, H, W, torch.Generator().manual_seed(5))

@@ -70,7 +70,7 @@ def test_ink_is_mean_brightness_and_hackable(real):
 
 
 def test_pairwise_digits_compares_the_classifier_probability(real):
-    from flowgrpo.algo.advantages import group_pairs, win_rates
+    from flowgrpo.functional.advantages import group_pairs, win_rates
     from flowgrpo.rewards import MultiReward, is_pairwise
 
     images, labels = real

@@ -1,43 +1,16 @@
-"""The math the algorithms share (imports torch only): Flow-GRPO's SDE steps with log-probs,
-group-relative advantages, the clipped policy loss and KL, and the sampler's ODE math (the
-DPM-Solver++ 2M step, the fixed-shift sigma grid) and the branching rollouts' tree (its
-advantage estimators and pruning). Each algorithm's own math lives in its file
-under ``flowgrpo.algorithms``."""
+"""The old name of :mod:`flowgrpo.functional` (the tensor math the algorithms share), kept so
+that earlier imports keep working: ``flowgrpo.algo`` and ``flowgrpo.algo.<module>`` are the
+same module objects as their ``flowgrpo.functional`` names (no second copy of any class)."""
 
-from flowgrpo.algo.advantages import (
-    CombinedRewards,
-    combine_rewards,
-    group_advantages,
-    group_pairs,
-    preference_advantages,
-    reward_stats,
-    win_rates,
-    zero_std_ratio,
-)
-from flowgrpo.algo.dpm_solver import DPMSolverStep, dpm_solver_2m_step
-from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
-from flowgrpo.algo.sde import SDE_TYPES, SDEStepOutput, sde_step_with_logprob
-from flowgrpo.algo.time_shift import time_shift_grid
-from flowgrpo.algo.tree import BranchSpec, train_mask, tree_advantages
+import importlib
+import pkgutil
+import sys
 
-__all__ = [
-    "SDE_TYPES",
-    "BranchSpec",
-    "CombinedRewards",
-    "DPMSolverStep",
-    "SDEStepOutput",
-    "combine_rewards",
-    "dpm_solver_2m_step",
-    "flow_grpo_loss",
-    "group_advantages",
-    "group_pairs",
-    "kl_penalty_image",
-    "preference_advantages",
-    "reward_stats",
-    "sde_step_with_logprob",
-    "time_shift_grid",
-    "train_mask",
-    "tree_advantages",
-    "win_rates",
-    "zero_std_ratio",
-]
+import flowgrpo.functional as _functional
+from flowgrpo.functional import *  # noqa: F403 -- the re-export is this module's job
+from flowgrpo.functional import __all__  # noqa: F401
+
+for _info in pkgutil.iter_modules(_functional.__path__):
+    _module = importlib.import_module(f"{_functional.__name__}.{_info.name}")
+    sys.modules[f"{__name__}.{_info.name}"] = _module
+    globals()[_info.name] = _module

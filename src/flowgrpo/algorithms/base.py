@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from flowgrpo.algo.advantages import CombinedRewards, combine_rewards
-from flowgrpo.algo.time_shift import time_shift_grid
+from flowgrpo.functional.advantages import CombinedRewards, combine_rewards
+from flowgrpo.functional.time_shift import time_shift_grid
 from flowgrpo.rollout import BranchSpec, SDEWindow, Trajectory, trained_step_count
 from flowgrpo.settings import ge, setting
 

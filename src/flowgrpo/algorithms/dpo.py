@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flowgrpo.algo.advantages import CombinedRewards, _group_index
 from flowgrpo.algorithms.base import Algorithm
 from flowgrpo.engine.dist import all_gather_object
+from flowgrpo.functional.advantages import CombinedRewards, _group_index
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.rollout import Trajectory
 from flowgrpo.settings import between, gt, need, one_of, setting

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flowgrpo.algo.losses import kl_penalty_image
 from flowgrpo.algorithms.flow_grpo import FlowGRPO
+from flowgrpo.functional.losses import kl_penalty_image
 from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory
 from flowgrpo.settings import ge, gt, one_of, setting

@@ -16,10 +16,10 @@ from typing import ClassVar
 
 import torch
 
-from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
-from flowgrpo.algo.sde import SDEStepOutput
-from flowgrpo.algo.tree import train_mask, tree_advantages
 from flowgrpo.algorithms.base import Algorithm, RolloutPlan
+from flowgrpo.functional.losses import flow_grpo_loss, kl_penalty_image
+from flowgrpo.functional.sde import SDEStepOutput
+from flowgrpo.functional.tree import train_mask, tree_advantages
 from flowgrpo.models.base import CFG_GRAD_MODES
 from flowgrpo.rollout import Trajectory, trajectory_log_prob
 from flowgrpo.settings import ge, gt, need, one_of, setting
@@ -160,7 +160,7 @@ class FlowGRPO(Algorithm):
 
     def tree_update(self, trajectory: Trajectory, leaf_adv: torch.Tensor) -> dict[str, float]:
         """The update on a branching rollout: the leaves' group advantages [B] become one
-        advantage per edge (``sample.branching.estimator`` / ``fusion``, ``algo.tree``); each
+        advantage per edge (``sample.branching.estimator`` / ``fusion``, ``functional.tree``); each
         edge trains once (from its first row), less the pruned ones and, with
         ``skip_zero_advantage``, those whose advantage is 0 (every edge before a tree's first
         split under ``depth``). The edges, whatever their step, are packed into micro-batches

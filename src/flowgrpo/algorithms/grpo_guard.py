@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flowgrpo.algo.losses import kl_penalty_image
 from flowgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from flowgrpo.functional.losses import kl_penalty_image
 from flowgrpo.rollout import Trajectory
 from flowgrpo.settings import gt, one_of, setting
 

@@ -2,7 +2,7 @@
 SDE window slides over the denoising steps as training goes, only the window trained.
 
 The rollout of training step s is Euler (ODE) before the window, SDE inside it, and Euler after
-it, or with ``flash`` (MixGRPO-Flash) DPM-Solver++ 2M (``flowgrpo.algo.dpm_solver``) on a
+it, or with ``flash`` (MixGRPO-Flash) DPM-Solver++ 2M (``flowgrpo.functional.dpm_solver``) on a
 compressed grid after it, with the history of x̂0 = x − σ·v carried over from the window's
 steps. The window is ``sde_window_at(s)``: it moves by ``stride`` every ``shift_interval`` steps
 and rolls back to the start. The loss is Flow-GRPO's on the window's steps. docs/math.md

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowgrpo.algo.sde import ROLLOUT_SDE_TYPES
-from flowgrpo.algo.tree import ESTIMATORS, FUSIONS, WIDTH_PRUNING, BranchSpec
 from flowgrpo.algorithms import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -24,6 +22,8 @@ from flowgrpo.algorithms import (
 )
 from flowgrpo.algorithms.base import UpdateConfig
 from flowgrpo.engine.config import DTYPES, EMAConfig, FSDPConfig, LoraConfig, OptimConfig
+from flowgrpo.functional.sde import ROLLOUT_SDE_TYPES
+from flowgrpo.functional.tree import ESTIMATORS, FUSIONS, WIDTH_PRUNING, BranchSpec
 from flowgrpo.models.prompt_cache import TEXT_ENCODER_OFFLOAD
 from flowgrpo.rewards.spec import RewardSpec, check_labels
 from flowgrpo.settings import (

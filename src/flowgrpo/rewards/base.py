@@ -139,7 +139,7 @@ def is_pairwise(fn: Any) -> bool:
     prompts and returns B outcomes in [0, 1], how far each image of ``images_a`` beats its
     partner in ``images_b`` (1 better, 0 worse, 0.5 a tie; a judge's probability is
     allowed). The trainer turns its outcomes over every pair of a group into win rates
-    (``flowgrpo.algo.advantages.win_rates``, Pref-GRPO)."""
+    (``flowgrpo.functional.advantages.win_rates``, Pref-GRPO)."""
     return bool(getattr(fn, "pairwise", False))
 
 

@@ -1,6 +1,6 @@
 """Trajectory sampling with exact per-step log-probabilities, and its training-time twin."""
 
-from flowgrpo.algo.tree import BranchSpec
+from flowgrpo.functional.tree import BranchSpec
 from flowgrpo.rollout.sampler import (
     SDEWindow,
     Trajectory,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from flowgrpo.algo.sde import SDEStepOutput, sde_step_with_logprob
-from flowgrpo.algo.tree import BranchSpec
+from flowgrpo.functional.sde import SDEStepOutput, sde_step_with_logprob
+from flowgrpo.functional.tree import BranchSpec
 from flowgrpo.models.base import DiffusionAdapter, PromptEmbeds
 
 Generators = torch.Generator | list[torch.Generator] | None
@@ -543,7 +543,7 @@ def _tree_frontier(
 def _dpm2_step(v, x, sigma, sigma_next, prev_x0, sigmas, i) -> SDEStepOutput:
     """A deterministic DPM-Solver++ 2M step (second order when the previous step's data
     prediction exists) as an SDEStepOutput with log_prob 0."""
-    from flowgrpo.algo.dpm_solver import dpm_solver_2m_step
+    from flowgrpo.functional.dpm_solver import dpm_solver_2m_step
 
     hist = {}
     if prev_x0 is not None and i > 0:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from flowgrpo.algo import reward_stats, zero_std_ratio
 from flowgrpo.algorithms.base import RolloutPlan
 from flowgrpo.config.loader import apply_settings, config_to_dict, rollback_config
 from flowgrpo.config.record import RUN_CONFIG, check_resume, record_text
@@ -34,6 +33,7 @@ from flowgrpo.engine.dist import (
     init_distributed,
     seed_everything,
 )
+from flowgrpo.functional import reward_stats, zero_std_ratio
 from flowgrpo.rewards import AsyncRewardScorer
 from flowgrpo.trainer import guard, setup
 from flowgrpo.trainer.commands import run_eval, run_export_lora, run_sample

@@ -3,7 +3,7 @@
 Pairwise rewards (``flowgrpo.rewards.is_pairwise``): at a training step every pair of samples
 of a group is judged (Pref-GRPO: all ``itertools.combinations`` of a group), the pairs spread
 over the data-parallel ranks, and each sample's reward is its win rate in its group
-(``flowgrpo.algo.advantages.win_rates``); the algorithm then normalises it as any reward. At
+(``flowgrpo.functional.advantages.win_rates``); the algorithm then normalises it as any reward. At
 an eval a pairwise reward judges each eval image against the base model's image of the same
 prompt and noise: its eval score is the win rate against the base (0.5 at the base eval).
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from flowgrpo.algo.advantages import group_pairs, win_rates
 from flowgrpo.engine.dist import all_gather_object
+from flowgrpo.functional.advantages import group_pairs, win_rates
 
 GOLD_SCORE = "eval/gold_score"
 HACKING_GAP = "eval/hacking_gap"

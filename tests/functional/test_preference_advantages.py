@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.advantages import group_pairs, preference_advantages, win_rates
+from flowgrpo.functional.advantages import group_pairs, preference_advantages, win_rates
 
 
 def test_group_pairs_are_every_pair_within_each_group():

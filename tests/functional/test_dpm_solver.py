@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
-from flowgrpo.algo.dpm_solver import dpm_solver_2m_step
+from flowgrpo.functional.dpm_solver import dpm_solver_2m_step
 
 # diffusers' DPMSolverMultistepScheduler.set_timesteps trips a numpy 2 copy-keyword warning
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")

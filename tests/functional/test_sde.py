@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flowgrpo.algo.sde import sde_step_with_logprob
+from flowgrpo.functional.sde import sde_step_with_logprob
 
 
 def _shifted_schedule(steps: int = 10, shift: float = 3.0) -> FlowMatchEulerDiscreteScheduler:

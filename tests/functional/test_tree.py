@@ -1,4 +1,4 @@
-"""The branching rollouts' tree math (``flowgrpo.algo.tree``) against an independent node-by-node
+"""The branching rollouts' tree math (``flowgrpo.functional.tree``) against an independent node-by-node
 transcription of BranchGRPO's estimator and pruning (Fredreic1849/BranchGRPO @ ffc3c90,
 fastvideo/train_branchgrpo_flux.py: ``TreeNode``, ``compute_node_rewards_from_leaves``,
 ``compute_hierarchical_advantages_by_depth`` and the pruning in ``train_one_step_tree``) and
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.advantages import group_advantages
-from flowgrpo.algo.tree import BranchSpec, fuse_up, train_mask, tree_advantages
+from flowgrpo.functional.advantages import group_advantages
+from flowgrpo.functional.tree import BranchSpec, fuse_up, train_mask, tree_advantages
 
 
 class Node:

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.advantages import (
+from flowgrpo.functional.advantages import (
     combine_rewards,
     group_advantages,
     reward_stats,
     zero_std_ratio,
 )
-from flowgrpo.algo.losses import flow_grpo_loss, kl_penalty_image
+from flowgrpo.functional.losses import flow_grpo_loss, kl_penalty_image
 
 
 def test_group_advantages_global_and_per_group_std_by_hand():
