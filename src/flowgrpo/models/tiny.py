@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["tiny_pipeline", "tiny_size"]
+_REEXPORTED = ("tiny_pipeline", "tiny_size")
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    if name not in _REEXPORTED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module("flowgrpo.testing"), name)
