@@ -15,7 +15,7 @@ from flowgrpo.config import (
     list_presets,
     load_config,
 )
-from flowgrpo.config.validate import FILE_REWARDS, PATH_REWARDS
+from flowgrpo.config.validate import checked_rewards, file_options
 from flowgrpo.rewards.base import needs_source_images
 
 
@@ -95,16 +95,12 @@ def test_presets_load_with_anchor_values(tmp_path) -> None:
     edits.write_text('{"prompt": "two clocks", "image": "src.png"}\n')
 
     def real(name: str) -> list[str]:
-        cfg = load_config(name, check_paths=False)
-        rewards = [("reward", r) for r in cfg.reward] + [
-            ("eval.gold_reward", r) for r in cfg.eval.gold_reward
-        ]
+        rewards = checked_rewards(load_config(name, check_paths=False))
         data = edits if any(needs_source_images(r.name) for _, r in rewards) else prompts
-        files = {**{n: ("path",) for n in PATH_REWARDS}, **FILE_REWARDS}
         return [f"model.path={tmp_path}", f"data.train_prompts={data}"] + [
             f"{key}.{r.label}.options.{option}={tmp_path}"
             for key, r in rewards
-            for option in files.get(r.name, ())
+            for option in file_options(r.name)
         ]
 
     cfgs = {

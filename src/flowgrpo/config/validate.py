@@ -10,6 +10,7 @@ from pathlib import Path
 
 from flowgrpo.config.schema import Config
 from flowgrpo.models.registry import PRESET_PIPELINES  # which pipelines each preset is for
+from flowgrpo.rewards.spec import RewardSpec
 from flowgrpo.settings import BUILTIN, ConfigError, check_section
 
 PROMPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -32,6 +33,20 @@ FILE_REWARDS = {
     "image_reward": ("path", "processor_path"),
     "aesthetic": ("path", "clip_path"),
 }
+
+
+def file_options(name: str) -> tuple[str, ...]:
+    """The options of reward ``name`` that must name its local files: ``path`` for the CLIP
+    rewards, the preference models' ``FILE_REWARDS`` entries; () for any other reward."""
+    return ("path",) if name in PATH_REWARDS else FILE_REWARDS.get(name, ())
+
+
+def checked_rewards(cfg: Config) -> list[tuple[str, RewardSpec]]:
+    """(config key, RewardSpec) of every reward a run loads before its first step: the
+    training rewards and the gold rewards."""
+    return [("reward", r) for r in cfg.reward] + [
+        ("eval.gold_reward", r) for r in cfg.eval.gold_reward
+    ]
 
 
 def _check_prompt_file(key: str, path: str) -> None:
@@ -216,8 +231,7 @@ def _check_paths(cfg: Config, command: str) -> None:
                 has_images = _check_source_images(cfg, f"data.{key}", path)
             if not has_images:
                 _check_source_rewards(cfg, f"data.{key}")
-        gold = [("eval.gold_reward", r) for r in cfg.eval.gold_reward]
-        for key, r in [("reward", r) for r in cfg.reward] + gold:
+        for key, r in checked_rewards(cfg):
             if r.name in PATH_REWARDS and not r.options.get("path"):
                 raise ConfigError(
                     f"reward {r.name!r} needs options.path, a local CLIPModel directory: "
@@ -232,7 +246,7 @@ def _check_paths(cfg: Config, command: str) -> None:
                     raise ConfigError(
                         f"reward 'geneval' needs {what}: set {key}.{r.label}.options.{opt}"
                     )
-            for opt in FILE_REWARDS.get(r.name, ()):
+            for opt in file_options(r.name):
                 if not r.options.get(opt):
                     raise ConfigError(
                         f"reward {r.name!r} needs options.{opt} (a local file or folder, "
