@@ -482,7 +482,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     running, 130: interrupted)."""
     global current_argv
     argv = list(sys.argv[1:] if argv is None else argv)
-    current_argv = argv  # recorded in the run folder's config.yaml
+    before, current_argv = current_argv, argv  # recorded in the run folder's config.yaml
+    try:
+        return _main(argv)
+    finally:  # a later run started from Python records its own command, not this one
+        current_argv = before
+
+
+def _main(argv: list[str]) -> int:
     _cwd_importable()
     parser = build_parser(argv)
     try:

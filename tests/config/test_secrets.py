@@ -93,3 +93,22 @@ def test_config_show_and_type_errors_print_no_secret(capsys):
     assert cli.main(["config", "show", f"reward.digits.options={{token: {SECRET}, x: [1}}"]) != 0
     err = capsys.readouterr().err
     assert SECRET not in err and "reward.digits.options" in err
+
+
+def test_the_recorded_command_is_the_running_ones_and_survives_bytes_that_are_not_utf8(
+    monkeypatch, tmp_path
+):
+    """A command line with bytes that are not UTF-8 (lone surrogates in argv) is recorded with
+    them escaped, not a crash writing config.yaml; a command that ended leaves nothing behind
+    for a run started later from Python (it records its own process's command line)."""
+    from flowgrpo import cli
+    from flowgrpo.config import load_config
+    from flowgrpo.config.record import command_line, record_text
+
+    assert cli.main(["sample", "--prompts", "ok", "a\udcffb", "--out", str(tmp_path)]) == 2
+    assert cli.current_argv is None  # the failed command's arguments are not kept
+    monkeypatch.setattr("sys.orig_argv", ["python", "train.py", "x\udcffy"])
+    assert command_line() == "python train.py 'x\\udcffy'"
+    text = record_text(load_config(None, ["trainer.max_steps=1"], check_paths=False))
+    (tmp_path / "config.yaml").write_text(text, encoding="utf-8")
+    assert "# command: python train.py 'x\\udcffy'\n" in text

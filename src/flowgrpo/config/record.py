@@ -61,12 +61,14 @@ BASE_LINE = "# base model: "
 def command_line() -> str:
     """The command, quoted for a shell: ``flowgrpo ARGS`` as the CLI received them
     (``flowgrpo.cli.main`` keeps them), else this process's own command line; secret values
-    redacted."""
+    redacted; bytes that are not UTF-8 (lone surrogates in ``argv``) written as ``\\udcXX``."""
     argv = getattr(sys.modules.get("flowgrpo.cli"), "current_argv", None)
     if argv is not None:
-        return shlex.join(["flowgrpo", *redact_args(argv)])
-    argv = list(getattr(sys, "orig_argv", sys.argv))
-    return shlex.join(argv[:1] + redact_args(argv[1:]))
+        line = shlex.join(["flowgrpo", *redact_args(argv)])
+    else:
+        argv = list(getattr(sys, "orig_argv", sys.argv))
+        line = shlex.join(argv[:1] + redact_args(argv[1:]))
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def record_text(cfg: Any) -> str:
