@@ -82,6 +82,7 @@ def stopped(tmp_path_factory) -> tuple[Path, dict]:
     return out, train(out, "trainer.max_steps=6", *GUARD, "guard.action=stop")
 
 
+@pytest.mark.slow  # trains end to end
 def test_stop_names_the_eval_figures_and_best_checkpoint(stopped, capsys):
     out, summary = stopped
     assert summary["steps"] == 4  # stopped at the eval of step 4, not at step 6
@@ -109,6 +110,7 @@ def test_stop_names_the_eval_figures_and_best_checkpoint(stopped, capsys):
     assert kept == ["step_2", "step_3", "step_4"]
 
 
+@pytest.mark.slow  # trains end to end
 def test_checkpoint_best_selects_the_best_gold_checkpoint(stopped):
     from flowgrpo.cli import main
 
@@ -121,6 +123,7 @@ def test_checkpoint_best_selects_the_best_gold_checkpoint(stopped):
     assert got["eval/reward_mean"] == pytest.approx(step2["eval/reward_mean"], abs=1e-6)
 
 
+@pytest.mark.slow  # trains end to end
 def test_resume_after_a_stop_is_exact(stopped, tmp_path):
     """Stopped at 4, resumed (guard off) to 6 == 6 steps straight without the guard."""
     first, _ = stopped
@@ -133,6 +136,7 @@ def test_resume_after_a_stop_is_exact(stopped, tmp_path):
     same_run(straight, resumed, 6)
 
 
+@pytest.mark.slow  # trains end to end
 def test_rollback_resumes_from_the_peak_and_resume_after_it_is_exact(tmp_path):
     rollback = [*GUARD, "guard.action=rollback", "guard.on_rollback.optim.lr=1.0e-4"]
     rollback += ["guard.max_rollbacks=1"]
@@ -155,6 +159,7 @@ def test_rollback_resumes_from_the_peak_and_resume_after_it_is_exact(tmp_path):
     same_run(full, cut, 6)
 
 
+@pytest.mark.slow  # trains end to end
 def test_rollback_without_a_checkpoint_before_the_peak_stops(tmp_path):
     # gold = -ink: its best is the base eval (step 0), which has no checkpoint
     summary = train(
@@ -170,6 +175,7 @@ def test_rollback_without_a_checkpoint_before_the_peak_stops(tmp_path):
     assert line.endswith("no checkpoint at or before the peak (step 0) to return to")
 
 
+@pytest.mark.slow  # trains end to end
 def test_pairwise_reward_trains_and_evals_against_the_base(tmp_path):
     out = tmp_path / "run"
     train(out, "trainer.max_steps=1", "reward=digits_pairwise", "eval.gold_reward=digits_judge")

@@ -102,6 +102,7 @@ def straight(reward_module, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # trains end to end
 def test_metrics_account_for_every_refilled_group(straight):
     """Per step: constant fraction after = before − replaced / m; extra samples = extra groups
     x K; ``samples`` counts them; the step's own draw (m = 4 of 10 prompts, half of them
@@ -132,6 +133,7 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(dst, weights_only=False)["model"]
 
 
+@pytest.mark.slow  # trains end to end
 def test_resume_is_bit_exact(straight, tmp_path):
     """3 steps straight == the straight run's checkpoint at step 2, resume=auto, 1 more step:
     the metrics (refill's included) and the weights."""
@@ -153,6 +155,7 @@ def test_resume_is_bit_exact(straight, tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
+@pytest.mark.slow  # trains end to end
 def test_refill_feeds_dpo_pairs(reward_module, tmp_path):
     """Refill under algorithm=dpo (pairs from the refilled groups): every one of the m trained
     groups gives one pair, whatever prompts the refill drew."""

@@ -67,6 +67,7 @@ def dcp_tensors(ckpt: Path) -> dict:
 # -- 1. Using the result ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # trains end to end
 def test_readme_commands_in_order_on_a_tiny_saved_pipeline(sd3_dir, tmp_path, monkeypatch, capsys):
     """The README's GPU commands, in its order, on a tiny saved SD3 with the sd3-ocr preset
     (LoRA + EMA): train; export-lora (the EMA weights, which eval measures), sample and eval
@@ -167,6 +168,7 @@ def toy_run(capsys, out: Path, *extra: str) -> tuple[int, str]:
     return code, err
 
 
+@pytest.mark.slow  # trains end to end
 def test_resume_refuses_a_config_that_changes_what_is_computed(tmp_path, capsys):
     out = tmp_path / "run"
     assert toy_run(capsys, out, "trainer.max_steps=1")[0] == 0
@@ -206,6 +208,7 @@ def test_run_defining_keys_are_one_list():
     assert changed_keys(a, b) == ["flow_grpo.kl_beta"]
 
 
+@pytest.mark.slow  # trains end to end
 def test_a_checkpoint_of_another_lora_rank_is_one_line(tmp_path, capsys):
     out = tmp_path / "lora"
     lora = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8")
@@ -251,6 +254,7 @@ def test_tests_run_outside_the_working_folder():
     assert not (Path.cwd() / "pyproject.toml").exists()
 
 
+@pytest.mark.slow  # trains end to end
 def test_make_demo_twice_then_another_algorithm(tmp_path, monkeypatch, capsys):
     """`make demo` as the Makefile runs it, a second `make demo`, then the README's
     `flowgrpo train algorithm=nft`: each works, and the NFT run gets its own folder."""
