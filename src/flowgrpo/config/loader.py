@@ -25,19 +25,14 @@ from flowgrpo.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, algorithm_class
 from flowgrpo.config.schema import Config
 from flowgrpo.config.shipped import list_presets, preset_dir, without_made_for
 from flowgrpo.config.validate import validate
+from flowgrpo.models.registry import MOVED_KEYS
 from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
 from flowgrpo.settings import DEFAULT_PRESET, ConfigError, short_repr
 
-#: keys that moved: a family's own setting left ``model`` for its family's section (issue 35).
-#: The old key still works on the command line, in YAML files (and their per-algorithm
-#: overlays) and in recorded run configs (``renamed``); the new key is the documented one.
-MOVED = {
-    "model.true_cfg_scale": "flux.true_cfg_scale",
-    "model.guidance_scale_2": "wan.guidance_scale_2",
-    "model.cfg_normalization": "zimage.cfg_normalization",
-    "model.cfg_truncation": "zimage.cfg_truncation",
-    "model.source_size": "flux_kontext.source_size",
-}
+#: keys that moved (old -> new; the registry's table, where families are named): the old key
+#: still works on the command line, in YAML files (and their per-algorithm overlays) and in
+#: recorded run configs (``renamed``); the new key is the documented one
+MOVED = MOVED_KEYS
 #: other names of a key: `flowgrpo train resume=auto`, and the moved keys
 ALIASES = {"resume": "trainer.resume", **MOVED}
 REWARD_LISTS = (

@@ -38,6 +38,18 @@ SUPPORTED_PIPELINES: dict[str, str] = {
 BUILTIN_PIPELINES: dict[str, str] = {"toy-digits": "flowgrpo.toy.pipeline:shipped_dir"}
 
 
+#: config keys that moved, old -> new: each family's own settings left ``model`` for its
+#: family's section (issue 35); the config loader reads the old key as the new one on the
+#: command line, in YAML files and in the config a run recorded (``config.loader.renamed``)
+MOVED_KEYS: dict[str, str] = {
+    "model.true_cfg_scale": "flux.true_cfg_scale",
+    "model.guidance_scale_2": "wan.guidance_scale_2",
+    "model.cfg_normalization": "zimage.cfg_normalization",
+    "model.cfg_truncation": "zimage.cfg_truncation",
+    "model.source_size": "flux_kontext.source_size",
+}
+
+
 def family_of(adapter_path: str) -> str:
     """A family's name: its adapter module's (``flowgrpo.models.wan:WanAdapter`` -> ``wan``),
     or its package's for an adapter outside ``flowgrpo.models`` (the toy -> ``toy``)."""
