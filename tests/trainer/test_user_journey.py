@@ -297,7 +297,8 @@ def test_a_forgotten_preset_names_the_presets_that_fit_the_model(sd3_dir):
     from flowgrpo.config.shipped import preset_pipelines
 
     with pytest.raises(ConfigError, match=r"holds a StableDiffusion3Pipeline, but preset "
-                       r"'toy-digits' \(the default.*flowgrpo train sd3-ocr model.path="):  # fmt: skip
+                       r"'toy-digits' \(the default.*flowgrpo train PRESET model.path=\.\.\. with "
+                       r"PRESET one of sd3-geneval, sd3-ocr, sd3-vlm-judge$"):  # fmt: skip
         load_config(None, [f"model.path={sd3_dir}"])
     with pytest.raises(ConfigError, match="preset 'flux-pickscore' .* made for FluxPipeline"):
         load_config("flux-pickscore", [f"model.path={sd3_dir}"], command="sample")

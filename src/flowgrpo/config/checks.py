@@ -53,6 +53,9 @@ def check_preset_pipeline(preset: str | None, pipeline: str, model_path: str) ->
     default = " (the default, used when no preset is named)" if preset == DEFAULT_PRESET else ""
     advice = (
         f"name the preset that fits it: flowgrpo train {fits[0]} model.path=..."
+        if len(fits) == 1
+        else f"name a preset that fits it: flowgrpo train PRESET model.path=... with PRESET "
+        f"one of {', '.join(fits)}"
         if fits
         else "no shipped preset fits it; start a YAML file from the closest (docs/training.md)"
     )
