@@ -119,6 +119,10 @@ def test_an_old_key_on_the_command_line_sets_the_new_one(old):
     assert _get(cfg, MOVED[old]) == VALUES[old]
     section, leaf = old.split(".")
     assert leaf not in config_to_dict(cfg)[section]  # written back in the new form only
+    from flowgrpo.config.docs import value_origins
+
+    _, origins = value_origins(None, [f"{old}={VALUES[old]}"])  # `flowgrpo config show`
+    assert origins[MOVED[old]] == "command line"
 
 
 def test_old_keys_in_a_yaml_file_and_its_overlays(tmp_path):
