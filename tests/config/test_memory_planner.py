@@ -73,10 +73,10 @@ CARD_SIZES = {
 @pytest.mark.parametrize("name", known_models())
 def test_shipped_configs_build_on_meta(name):
     configs = read_model_configs(f"known:{name}")
-    from flowgrpo.models.registry import PRESET_PIPELINES
+    from flowgrpo.config.shipped import preset_pipelines
 
     pipeline = configs["model_index"]["_class_name"]
-    fits = [p for p, classes in PRESET_PIPELINES.items() if pipeline in classes]
+    fits = [p for p, classes in preset_pipelines().items() if pipeline in classes]
     cfg = load_config(
         fits[0] if fits else "qwen-image-edit-counting",
         [f"model.path=known:{name}"],
@@ -226,11 +226,11 @@ def test_the_banner_line_is_the_planners_total_or_absent():
 def test_every_preset_with_a_known_model_plans():
     """Every row of docs/memory.md's table plans (the preset as shipped): its preset names a
     pipeline the known set holds, and the family answers the planner's questions."""
-    from flowgrpo.models.registry import PRESET_MODELS, PRESET_PIPELINES
+    from flowgrpo.config.shipped import preset_models, preset_pipelines
 
-    for preset, model, extra in PRESET_MODELS:
+    for preset, model, extra in preset_models():
         configs = read_model_configs(f"known:{model}")
-        assert configs["model_index"]["_class_name"] in PRESET_PIPELINES[preset], preset
+        assert configs["model_index"]["_class_name"] in preset_pipelines()[preset], preset
         over = [f"model.path=known:{model}", *extra]
         plan = plan_memory(load_config(preset, over, check_paths=False), 8, 80)
         assert plan.total > 0 and plan.parts["activations"] > 0, (preset, model)
@@ -357,9 +357,27 @@ REFUSED = [  # (preset, model set, overrides, --gpus, what the one line names)
     ("flux2-pickscore", "flux.2-dev", ["model.height=1000", "model.width=1000"], 8, "height"),
     ("z-image-pickscore", "z-image", ["fsdp.sp_degree=4"], 8, "fsdp.sp_degree"),
     ("flux-pickscore", "sd3.5-medium", [], 8, "model.path"),
-    ("flux-pickscore", "flux.1-dev", ["model.source_size=512"], 8, "model.source_size"),
-    ("qwen-image-edit-counting", "qwen-image-edit", ["model.source_size=17"], 8, "source_size"),
-    ("flux-kontext-counting", "flux.1-kontext-dev", ["model.source_size=17"], 8, "source_size"),
+    (
+        "flux-pickscore",
+        "flux.1-dev",
+        ["flux_kontext.source_size=512"],
+        8,
+        "flux_kontext.source_size",
+    ),
+    (
+        "qwen-image-edit-counting",
+        "qwen-image-edit",
+        ["flux_kontext.source_size=17"],
+        8,
+        "source_size",
+    ),
+    (
+        "flux-kontext-counting",
+        "flux.1-kontext-dev",
+        ["flux_kontext.source_size=17"],
+        8,
+        "source_size",
+    ),
     ("sd3-ocr", "sd3.5-medium", ["sample.prompts_per_step=64", "sample.group_size=8"], 3, "512"),
     ("sd3-ocr", "sd3.5-medium", [], 7, "sample.prompts_per_step"),
     ("sd3-ocr", "sd3.5-medium", [], 10**12, "sample.prompts_per_step"),

@@ -70,7 +70,7 @@ def padded_forward(adapter, model, kind: str) -> dict:
 EDITS = {
     "qwen_image_edit": (64, 192, [(20, 60)], 64 * 192, 3),
     "qwen_image_edit_plus": (128, 192, [(20, 60), (60, 20)], 64 * 192, 6),
-    # FLUX.1 Kontext with model.source_size=64: one source token (1 x 1 after the 2x2 packing)
+    # FLUX.1 Kontext with flux_kontext.source_size=64: one source token (1 x 1 after the 2x2 packing)
     # beside the 1 x 3 noised ones (its vae_area is unused)
     "flux_kontext": (64, 192, [(20, 60)], 64 * 192, 1),
 }

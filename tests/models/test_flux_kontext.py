@@ -1,4 +1,4 @@
-"""FLUX.1 Kontext beyond the conformance suite: its true CFG and ``model.source_size`` against
+"""FLUX.1 Kontext beyond the conformance suite: its true CFG and ``flux_kontext.source_size`` against
 the stock ``FluxKontextPipeline``, its one-line errors, and the planner's source tokens."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_the_preset_loads_with_flow_grpos_values(tmp_path):
     ]
     s = cfg.sample
     assert (s.num_steps, s.eval_num_steps, s.guidance_scale, s.noise_level) == (6, 28, 2.5, 0.9)
-    assert (s.prompts_per_step, s.group_size, cfg.model.height, cfg.model.source_size) == (
+    assert (s.prompts_per_step, s.group_size, cfg.model.height, cfg.flux_kontext.source_size) == (
         48,
         21,
         512,

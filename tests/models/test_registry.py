@@ -153,14 +153,15 @@ def test_load_pipeline_in_bf16(tmp_path):
     assert half.transformer.dtype == torch.bfloat16
 
 
-def test_family_options_are_model_settings_and_come_from_the_adapters():
-    import dataclasses
-
-    from flowgrpo.config.schema import ModelConfig
+def test_family_options_are_settings_and_come_from_the_adapters():
+    from flowgrpo.config.checks import option_keys
+    from flowgrpo.config.loader import valid_keys
     from flowgrpo.models.registry import adapter_options, family_options
 
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    assert family_options() <= fields  # every option an adapter takes is a model.* setting
+    keys = option_keys()  # every option an adapter takes is a setting: its family's, or model's
+    assert set(keys) == family_options() and set(keys.values()) <= set(valid_keys())
+    assert keys["true_cfg_scale"] == "flux.true_cfg_scale"
+    assert keys["max_sequence_length"] == "model.max_sequence_length"
     assert family_options() == {
         "true_cfg_scale",
         "max_sequence_length",

@@ -214,7 +214,7 @@ def test_edit_run_journey(tmp_path) -> None:
 
 
 def test_flux_kontext_run_exports_and_samples(tmp_path) -> None:
-    """FLUX.1 Kontext (sources at 64 px: model.source_size): train 2 steps with the
+    """FLUX.1 Kontext (sources at 64 px: flux_kontext.source_size): train 2 steps with the
     similarity-to-source reward, export-lora loads into the stock FluxKontextPipeline and
     changes its transformer's output, sample --image from the checkpoint."""
     import torch
@@ -235,7 +235,7 @@ def test_flux_kontext_run_exports_and_samples(tmp_path) -> None:
     preset.write_text("seed: 0\n")
     common = [
         f"model.path={tmp_path / 'model'}", *SMALL, "model.max_sequence_length=16",
-        "model.source_size=64", "sample.guidance_scale=2.5",
+        "flux_kontext.source_size=64", "sample.guidance_scale=2.5",
     ]  # fmt: skip
     clip = _tiny_clip(tmp_path / "clip")
     run = tmp_path / "run"

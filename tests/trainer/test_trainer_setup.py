@@ -23,15 +23,17 @@ def test_flux_true_cfg_scale_reaches_the_adapter(tmp_path):
     ]
     plain = build_adapter_for(load_config("flux-pickscore", overrides), CPU)
     assert type(plain).__name__ == "FluxAdapter" and not plain.uses_cfg(3.5)
-    cfg = load_config("flux-pickscore", [*overrides, "model.true_cfg_scale=2.0"])
+    cfg = load_config("flux-pickscore", [*overrides, "flux.true_cfg_scale=2.0"])
     adapter = build_adapter_for(cfg, CPU)
     assert adapter.true_cfg_scale == 2.0 and adapter.uses_cfg(3.5)
 
 
 def test_family_options_on_another_family_are_a_clear_error():
+    flux = r"'flux.true_cfg_scale' does not apply to ToyDigitsPipeline \(family toy\): it is a "
     for over, match in (
-        ("model.true_cfg_scale=2.0", "model.true_cfg_scale does not apply to ToyDigits"),
-        ("model.max_sequence_length=77", "model.max_sequence_length does not apply to ToyDigit"),
+        ("flux.true_cfg_scale=2.0", flux + "setting of family flux"),
+        ("model.true_cfg_scale=2.0", flux + "setting of family flux"),  # the old key
+        ("model.max_sequence_length=77", "'model.max_sequence_length' does not apply to ToyDigit"),
     ):
         with pytest.raises(ValueError, match=match):  # the config check, before loading
             load_config(None, [over])

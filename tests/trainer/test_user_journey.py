@@ -298,14 +298,15 @@ def test_a_reward_module_in_the_current_folder_is_importable_from_the_console_sc
 
 def test_a_forgotten_preset_names_the_presets_that_fit_the_model(sd3_dir):
     from flowgrpo.config.loader import list_presets
-    from flowgrpo.config.validate import PRESET_PIPELINES
+    from flowgrpo.config.shipped import preset_pipelines
 
     with pytest.raises(ConfigError, match=r"holds a StableDiffusion3Pipeline, but preset "
-                       r"'toy-digits' \(the default.*flowgrpo train sd3-ocr model.path="):  # fmt: skip
+                       r"'toy-digits' \(the default.*flowgrpo train PRESET model.path=\.\.\. with "
+                       r"PRESET one of sd3-geneval, sd3-ocr, sd3-vlm-judge$"):  # fmt: skip
         load_config(None, [f"model.path={sd3_dir}"])
     with pytest.raises(ConfigError, match="preset 'flux-pickscore' .* made for FluxPipeline"):
         load_config("flux-pickscore", [f"model.path={sd3_dir}"], command="sample")
-    assert set(PRESET_PIPELINES) == set(list_presets())  # a new preset says what it fits
+    assert set(preset_pipelines()) == set(list_presets())  # a new preset says what it fits
 
 
 def test_a_hub_id_resolves_from_the_local_cache_or_says_how_to_download(tmp_path, monkeypatch):

@@ -69,7 +69,7 @@ def trained(request, tmp_path_factory):
     prompts.write_text("a red ball rolling\na blue car driving\na cat jumping\n")
     common = [f"model.path={root / 'model'}", f"data.train_prompts={prompts}", *SMALL]
     if kind == "wan22":
-        common.append("model.guidance_scale_2=3.0")
+        common.append("wan.guidance_scale_2=3.0")
     run = root / "run"
     _flowgrpo(
         "train",

@@ -3,7 +3,8 @@ one set, used by ``flowgrpo train`` (``validate``, before anything loads) and by
 memory`` (``plan_memory``), so that the planner never plans a run the trainer refuses.
 
 Each problem is a one-line ``ConfigError`` naming the setting: the preset against the model's
-pipeline, ``model.*`` family options the model does not take (or values it refuses), the size
+pipeline, family options the model does not take (a setting of another family's section,
+a shared ``model.*`` one it has no use for) or values it refuses, the size
 (``model.height``/``width``/``num_frames`` against the family's ``SizeRule``), the attention
 heads against ``fsdp.sp_degree``, and the world size against ``fsdp.replicate_degree`` x
 ``fsdp.sp_degree`` and the step's global batch.
@@ -41,16 +42,20 @@ def local_model_configs(path: str) -> dict[str, Any] | None:
 
 
 def check_preset_pipeline(preset: str | None, pipeline: str, model_path: str) -> None:
-    """A shipped preset names the pipeline classes it is made for: another one is refused."""
-    from flowgrpo.models.registry import PRESET_PIPELINES
+    """A shipped preset names the pipeline classes it is made for (its ``made_for``): another
+    one is refused."""
+    from flowgrpo.config.shipped import preset_pipelines
 
-    made_for = PRESET_PIPELINES.get(preset or "")
+    made_for = preset_pipelines().get(preset or "")
     if made_for is None or pipeline in made_for:
         return
-    fits = [name for name, classes in PRESET_PIPELINES.items() if pipeline in classes]
+    fits = [name for name, classes in preset_pipelines().items() if pipeline in classes]
     default = " (the default, used when no preset is named)" if preset == DEFAULT_PRESET else ""
     advice = (
         f"name the preset that fits it: flowgrpo train {fits[0]} model.path=..."
+        if len(fits) == 1
+        else f"name a preset that fits it: flowgrpo train PRESET model.path=... with PRESET "
+        f"one of {', '.join(fits)}"
         if fits
         else "no shipped preset fits it; start a YAML file from the closest (docs/training.md)"
     )
@@ -60,17 +65,73 @@ def check_preset_pipeline(preset: str | None, pipeline: str, model_path: str) ->
     )
 
 
-def set_family_options(model_cfg: Any) -> dict[str, Any]:
-    """The family options (``model.*`` settings some adapter takes) that differ from their
-    defaults: what the trainer passes to the adapter."""
-    from flowgrpo.models.registry import family_options
+def option_keys() -> dict[str, str]:
+    """{adapter option: its config key} for every option some adapter takes
+    (``registry.family_options``): a family's own setting in its family's section
+    (``flux.true_cfg_scale``), one several families read in ``model``
+    (``model.max_sequence_length``)."""
+    from flowgrpo.models.registry import family_options, family_settings
 
-    family, defaults = family_options(), type(model_cfg)()
-    return {
-        f.name: getattr(model_cfg, f.name)
-        for f in dataclasses.fields(model_cfg)
-        if f.name in family and getattr(model_cfg, f.name) != getattr(defaults, f.name)
+    own = {
+        f.name: f"{family}.{f.name}"
+        for family, settings in family_settings().items()
+        for f in dataclasses.fields(settings)
     }
+    return {name: own.get(name, f"model.{name}") for name in sorted(family_options())}
+
+
+def _value(cfg: Any, key: str) -> Any:
+    section, leaf = key.split(".")
+    return getattr(getattr(cfg, section), leaf)
+
+
+def _default(cfg: Any, key: str) -> Any:
+    section, leaf = key.split(".")
+    return getattr(type(getattr(cfg, section))(), leaf)
+
+
+def set_options(cfg: Any) -> dict[str, Any]:
+    """{config key: value} of the adapter options (``option_keys``) that differ from their
+    defaults: what the run asks of the family."""
+    keys = option_keys().values()
+    return {k: _value(cfg, k) for k in keys if _value(cfg, k) != _default(cfg, k)}
+
+
+def adapter_kwargs(cfg: Any, pipeline: type | str) -> dict[str, Any]:
+    """The keyword options for the adapter of ``pipeline`` (a class or a supported class's
+    name): every option set away from its default. One the adapter does not take (the setting
+    of another family, or a shared one it has no use for) is a one-line ConfigError naming
+    the key, the loaded family and the family the setting belongs to."""
+    from flowgrpo.models.registry import (
+        SUPPORTED_PIPELINES,
+        adapter_options,
+        family_of,
+        resolve_adapter_path,
+    )
+
+    name = pipeline if isinstance(pipeline, str) else pipeline.__name__
+    path = SUPPORTED_PIPELINES[name] if isinstance(pipeline, str) else None
+    family = family_of(path or resolve_adapter_path(pipeline))
+    takes = adapter_options(pipeline)
+    out = {}
+    for key, value in set_options(cfg).items():
+        option = key.split(".")[1]
+        if option not in takes:
+            owner, _, _ = key.partition(".")
+            whose = f"a setting of family {owner}, " if owner != "model" else ""
+            raise ConfigError(
+                f"config key {key!r} does not apply to {name} (family {family}): it is "
+                f"{whose}not one of the options {name} takes "
+                f"({', '.join(sorted(takes)) or 'none'}); unset it"
+            )
+        out[option] = value
+    return out
+
+
+def planner_options(cfg: Any) -> dict[str, Any]:
+    """{adapter option: value} of every option, set or not: what the planner's class-level
+    questions (``plans_cfg``, ``token_counts``, ``check_options``) read."""
+    return {name: _value(cfg, key) for name, key in option_keys().items()}
 
 
 def _heads(config: dict[str, Any]) -> int | None:
@@ -135,7 +196,7 @@ def check_model_run(
     ``label`` names that count in the error).
     ConfigError on the first problem; a pipeline without an adapter is left to the loader."""
     from flowgrpo.models.base import check_size
-    from flowgrpo.models.registry import SUPPORTED_PIPELINES, adapter_options, import_adapter
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
 
     m = cfg.model
     pipeline = str(configs.get("model_index", {}).get("_class_name", ""))
@@ -154,14 +215,7 @@ def check_model_run(
             check_size(rule, m.height, m.width, m.num_frames, key="config key 'model.{}'")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    options = set_family_options(m)
-    takes = adapter_options(pipeline)
-    for key in options:
-        if key not in takes:
-            raise ConfigError(
-                f"model.{key} does not apply to {pipeline} (the options it "
-                f"takes: {', '.join(sorted(takes)) or 'none'}): unset it"
-            )
+    options = adapter_kwargs(cfg, pipeline)
 
     check_prompt_cache(getattr(adapter, "edits", False), m.embed_cache_dir)
     check_options = getattr(adapter, "check_options", None)
@@ -230,6 +284,9 @@ __all__ = [
     "check_model_run",
     "check_preset_pipeline",
     "check_world",
+    "adapter_kwargs",
     "local_model_configs",
-    "set_family_options",
+    "option_keys",
+    "planner_options",
+    "set_options",
 ]

@@ -212,6 +212,7 @@ def value_origins(preset: str | None, overrides: list[str]) -> tuple[list[str], 
     for an override, "preset NAME" and the preset file's comment (its citation) for a value
     the preset sets (or its ``base``); keys left at the default are not listed."""
     from flowgrpo.config.loader import (
+        ALIASES,
         DEFAULT_PRESET,
         OVERLAYS,
         _chosen_algorithm,
@@ -240,6 +241,7 @@ def value_origins(preset: str | None, overrides: list[str]) -> tuple[list[str], 
             origins[key] = f"preset {label}, {OVERLAYS}.{chosen}" + (f": {note}" if note else "")
     for text in overrides:
         key = text.split("=", 1)[0].strip()
+        key = ALIASES.get(key, key)  # an old key sets (and marks) the new one
         origins[key] = "command line"
         if key.split(".")[0] in REWARD_LISTS:
             origins[key.split(".")[0]] = "command line"

@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import difflib
 import functools
-import importlib.resources
 import json
 import types
 import typing
@@ -24,11 +23,18 @@ import yaml
 
 from flowgrpo.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, algorithm_class
 from flowgrpo.config.schema import Config
+from flowgrpo.config.shipped import list_presets, preset_dir, without_made_for
 from flowgrpo.config.validate import validate
+from flowgrpo.models.registry import MOVED_KEYS
 from flowgrpo.rewards.spec import RewardSpec, parse_reward_specs
 from flowgrpo.settings import DEFAULT_PRESET, ConfigError, short_repr
 
-ALIASES = {"resume": "trainer.resume"}  # `flowgrpo train resume=auto`
+#: keys that moved (old -> new; the registry's table, where families are named): the old key
+#: still works on the command line, in YAML files (and their per-algorithm overlays) and in
+#: recorded run configs (``renamed``); the new key is the documented one
+MOVED = MOVED_KEYS
+#: other names of a key: `flowgrpo train resume=auto`, and the moved keys
+ALIASES = {"resume": "trainer.resume", **MOVED}
 REWARD_LISTS = (
     "reward",
     "eval_reward",
@@ -202,9 +208,39 @@ def _coerce(value: Any, tp: Any, key: str, current: Any = _MISSING, origin: str 
     raise _type_error(key, tp, value)  # pragma: no cover - no other annotation is used
 
 
+def renamed(data: Mapping, origin: str = "") -> dict:
+    """A copy of ``data`` (a nested config mapping: a YAML file, a recorded run config) with
+    each moved key (``MOVED``) at its new place; the old and the new key both given is a
+    ConfigError naming ``origin``."""
+    out = dict(data)
+    for old, new in MOVED.items():
+        section, leaf = old.split(".")
+        node = out.get(section)
+        if not isinstance(node, Mapping) or leaf not in node:
+            continue
+        node = dict(node)
+        value = node.pop(leaf)
+        out[section] = node
+        new_section, new_leaf = new.split(".")
+        target = out.get(new_section) or {}
+        if not isinstance(target, Mapping):
+            continue  # apply_mapping names the section's wrong type
+        if new_leaf in target:
+            where = f" in {origin}" if origin else ""
+            raise ConfigError(
+                f"config key {old!r}{where} is the old name of {new!r}, which is also given: "
+                f"keep {new}"
+            )
+        out[new_section] = {**target, new_leaf: value}
+    return out
+
+
 def apply_mapping(obj: Any, mapping: Mapping, prefix: str = "", origin: str = "") -> None:
-    """Set ``obj``'s fields from a nested mapping (sections merge, leaves replace)."""
+    """Set ``obj``'s fields from a nested mapping (sections merge, leaves replace); at the
+    top (``prefix`` empty) moved keys are read at their new place (``renamed``)."""
     hints = _hints(type(obj))
+    if not prefix:
+        mapping = renamed(mapping, origin)
     for k, v in mapping.items():
         here = f"{prefix}{k}"
         if k not in hints:
@@ -324,12 +360,7 @@ def apply_settings(cfg: Config, settings: Mapping[str, Any], origin: str = "") -
 
 
 def _preset_dir() -> Any:
-    return importlib.resources.files("flowgrpo.config") / "presets"
-
-
-def list_presets() -> list[str]:
-    """Names of the shipped presets."""
-    return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+    return preset_dir()
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -407,6 +438,14 @@ def preset_dict(name: str, _seen: tuple[str, ...] = (), _via: str = "") -> tuple
             )
         data, label = _read_yaml(res.read_text(), f"preset {name!r}"), name
         key = name
+    origin = str(path) if is_path else f"preset {name!r}"
+    data = renamed(without_made_for(data, origin), origin)
+    overlays = data.get(OVERLAYS)
+    if isinstance(overlays, Mapping):  # each algorithm's values, moved keys at their place
+        data[OVERLAYS] = {
+            k: renamed(v, f"{origin} ({OVERLAYS}.{k})") if isinstance(v, Mapping) else v
+            for k, v in overlays.items()
+        }
     base = data.pop("base", None)
     if base is not None:
         if key in _seen:
@@ -669,6 +708,7 @@ def config_from_dict(data: Mapping[str, Any], *, check: bool = False) -> Config:
 
 __all__ = [
     "ALIASES",
+    "MOVED",
     "algorithm_output_dir",
     "apply_mapping",
     "apply_override",
@@ -678,6 +718,7 @@ __all__ = [
     "list_presets",
     "load_config",
     "preset_dict",
+    "renamed",
     "resolve_defaults",
     "unknown_key",
     "valid_keys",

@@ -26,8 +26,8 @@ from flowgrpo.config.secrets import REDACTED, redact, redact_args
 from flowgrpo.settings import ConfigError
 
 RUN_CONFIG = "config.yaml"  # in the run folder and in each checkpoint folder
-#: dotted prefixes of the settings that define what a run computes; the section of the
-#: run's own algorithm (``flow_grpo``, ``nft``, ...) is added by ``run_defining_keys``
+#: dotted prefixes of the settings that define what a run computes; the families' sections
+#: and the run's own algorithm's (``flow_grpo``, ``nft``, ...) are added by ``run_defining_keys``
 RUN_DEFINING = (
     "seed",
     "algorithm",
@@ -104,7 +104,10 @@ def _drop_redacted(value: Any) -> Any:
 
 def read_record(folder: str | Path) -> dict[str, Any] | None:
     """The config recorded in ``folder/config.yaml`` as a nested dict (redacted values left
-    out), or None when the folder has none (runs from before records)."""
+    out, moved keys at their new place: ``loader.renamed``), or None when the folder has none
+    (runs from before records)."""
+    from flowgrpo.config.loader import renamed
+
     path = Path(folder) / RUN_CONFIG
     if not path.is_file():
         return None
@@ -115,7 +118,7 @@ def read_record(folder: str | Path) -> dict[str, Any] | None:
         raise ConfigError(f"cannot read the recorded config {path}: {msg}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"the recorded config {path} does not hold a mapping")
-    return _drop_redacted(data)
+    return renamed(_drop_redacted(data), f"the recorded config {path}")
 
 
 def checkpoint_record(checkpoint: str | Path) -> dict[str, Any] | None:
@@ -130,8 +133,12 @@ def checkpoint_record(checkpoint: str | Path) -> dict[str, Any] | None:
 
 
 def run_defining_keys(algorithm: str) -> tuple[str, ...]:
-    """The dotted prefixes a resume compares for a run of ``algorithm``."""
-    return (*RUN_DEFINING, algorithm)
+    """The dotted prefixes a resume compares for a run of ``algorithm``: ``RUN_DEFINING``, the
+    families' own sections (``flux``, ``wan``, ...: the model's settings) and the
+    algorithm's."""
+    from flowgrpo.models.registry import family_settings
+
+    return (*RUN_DEFINING, *family_settings(), algorithm)
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -5,7 +5,9 @@ and ``flowgrpo config show`` print it) and its range check live together; rules 
 fields together are the section's ``check()``. The engine's sections (``lora``, ``optim``,
 ``fsdp``, ``ema``) are declared in ``flowgrpo.engine.config`` and read by the engine from this
 config directly; the algorithms' (``update``, and one section per registered algorithm, named
-as it, added by ``_with_algorithm_sections``) in ``flowgrpo.algorithms``. Parsing is
+as it, added by ``_with_algorithm_sections``) in ``flowgrpo.algorithms``; a model family's
+own settings (one section per family that declares them, named as it: ``flux``, ``wan``, ...,
+added by ``_with_family_sections``) in its adapter file. Parsing is
 ``loader.py``; checks that need the disk are ``validate.py``.
 """
 
@@ -25,6 +27,7 @@ from flowgrpo.engine.config import DTYPES, EMAConfig, FSDPConfig, LoraConfig, Op
 from flowgrpo.functional.sde import ROLLOUT_SDE_TYPES
 from flowgrpo.functional.tree import ESTIMATORS, FUSIONS, WIDTH_PRUNING, BranchSpec
 from flowgrpo.models.prompt_cache import TEXT_ENCODER_OFFLOAD
+from flowgrpo.models.registry import family_settings
 from flowgrpo.rewards.spec import RewardSpec, check_labels
 from flowgrpo.settings import (
     DEFAULT_PRESET,
@@ -44,7 +47,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 @dataclass
 class ModelConfig:
-    """Which pipeline to load, in which dtype, at which size."""
+    """Which pipeline to load, in which dtype, at which size: the settings every family reads
+    (a family's own are its section, ``_with_family_sections``)."""
 
     path: str | None = setting(
         None,
@@ -64,11 +68,6 @@ class ModelConfig:
     )
     height: int = setting(512, "Image height in pixels (8 for the toy).", check=ge(1))
     width: int = setting(512, "Image width in pixels.", check=ge(1))
-    true_cfg_scale: float = setting(
-        1.0,
-        "FLUX only: true CFG with the negative prompt when > 1 (1 = off).",
-        check=ge(1, " (1 = off)"),
-    )
     max_sequence_length: int | None = setting(
         None,
         "Text tokens per prompt (T5 / Qwen / UMT5); null = the pipeline's default (SD3 256, "
@@ -80,23 +79,6 @@ class ModelConfig:
         "Video models (Wan): frames per video, 4k + 1 (5, 9, 33, 81); null = the adapter's "
         "default (Wan: 81). Image models refuse it.",
         check=optional(ge(1)),
-    )
-    guidance_scale_2: float | None = setting(
-        None,
-        "Wan2.2 (two experts) only: CFG scale of the low-noise expert; null = "
-        "`sample.guidance_scale`.",
-        check=optional(ge(0)),
-    )
-    cfg_normalization: float = setting(
-        0.0,
-        "Z-Image only: clip each guided sample's norm to this multiple of the conditional "
-        "one's (the pipeline's `cfg_normalization`; 0 = off).",
-        check=ge(0, " (0 = off)"),
-    )
-    cfg_truncation: float = setting(
-        1.0,
-        "Z-Image only: no CFG at the steps whose normalized time (1000 - t)/1000 exceeds this "
-        "(the pipeline's `cfg_truncation`; 1 = CFG at every step).",
     )
     embed_cache_dir: str | None = setting(
         None,
@@ -120,13 +102,6 @@ class ModelConfig:
         False,
         "Decode in overlapping spatial tiles (diffusers `enable_tiling`; bounds the peak at any "
         "size; blended tile seams change pixels slightly).",
-    )
-    source_size: int | None = setting(
-        None,
-        "FLUX.1 Kontext only: resize every source image to this many pixels square (a multiple "
-        "of 16) instead of the pipeline's preferred resolution of its aspect ratio (~1024²); "
-        "the reference counting_edit runs use the output size, 512. null = the pipeline's rule.",
-        check=optional(ge(1)),
     )
 
     def check(self) -> None:
@@ -499,6 +474,7 @@ ROLLBACK_FIXED = (
     "eval",
     "reward",
     "eval_reward",
+    *family_settings(),  # the model's own settings, as ``model``
 )
 
 
@@ -619,7 +595,24 @@ def _with_algorithm_sections(cls: type) -> type:
     return cls
 
 
+def _with_family_sections(cls: type) -> type:
+    """Give ``cls`` one section per family that declares settings, named as the family,
+    holding its settings class (``flowgrpo.models.registry.family_settings``, declared in the
+    family's adapter file), right after the ``model`` section: the schema names no family,
+    and a new one gets its section from its registry line."""
+    annotations: dict[str, object] = {}
+    for key, hint in cls.__annotations__.items():
+        annotations[key] = hint
+        if key == "model":
+            for name, settings in family_settings().items():
+                annotations[name] = settings
+                setattr(cls, name, field(default_factory=settings))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
+@_with_family_sections
 @_with_algorithm_sections
 class Config:
     """The whole run."""
@@ -639,6 +632,7 @@ class Config:
         check=one_of(*ALGORITHMS),
     )
     model: ModelConfig = field(default_factory=ModelConfig)
+    # here, one section per family that declares settings (``_with_family_sections``)
     sample: SampleConfig = field(default_factory=SampleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: list[RewardSpec] = setting(

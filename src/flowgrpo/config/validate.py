@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from flowgrpo.config.schema import Config
-from flowgrpo.models.registry import PRESET_PIPELINES  # which pipelines each preset is for
+from flowgrpo.config.shipped import preset_pipelines  # which pipelines each preset is for
 from flowgrpo.rewards.spec import RewardSpec
 from flowgrpo.settings import BUILTIN, ConfigError, check_section
 
@@ -88,7 +88,7 @@ def _check_model(cfg: Config, preset: str) -> None:
         raise ConfigError(f"config key 'model.path': {e}") from None
     if not root.exists():
         raise ConfigError(f"config key 'model.path': {cfg.model.path} does not exist")
-    if PRESET_PIPELINES.get(preset) is None or not (root / "model_index.json").is_file():
+    if preset_pipelines().get(preset) is None or not (root / "model_index.json").is_file():
         return  # a custom preset, or not a pipeline folder (load_pipeline says so)
     try:
         found = read_model_index(root).get("_class_name")
@@ -290,7 +290,6 @@ def validate(cfg: Config, *, check_paths: bool = True, command: str = "train") -
 __all__ = [
     "BUILTIN",
     "COMMANDS",
-    "PRESET_PIPELINES",
     "PROMPT_SUFFIXES",
     "holds_run",
     "validate",

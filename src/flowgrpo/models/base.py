@@ -257,6 +257,10 @@ class DiffusionAdapter(ABC):
     #: padded to ``max_sequence_length``) and masks the padding in attention: the memory
     #: planner sizes the text at a typical prompt, not the maximum, and counts the mask
     prompt_trimmed: bool = False
+    #: the family's own settings: a dataclass of ``flowgrpo.settings.setting`` fields declared
+    #: in the adapter's module, the config section named as the family
+    #: (``registry.family_settings``); its fields are ``__init__`` keywords; None: no section
+    settings_class: type | None = None
 
     def __init__(self, pipe: Any):
         self.pipe = pipe
@@ -301,8 +305,8 @@ class DiffusionAdapter(ABC):
     # -- what the memory planner reads (config files and options only, no weights) ----------
     @classmethod
     def plans_cfg(cls, guidance_scale: float, options: dict[str, Any]) -> bool:
-        """``uses_cfg`` before the adapter exists: ``options`` are the ``model.*`` family
-        options (``registry.family_options``) as configured."""
+        """``uses_cfg`` before the adapter exists: ``options`` are the adapter options
+        (``registry.family_options``) as configured (``config.checks.planner_options``)."""
         return guidance_scale > 1.0
 
     @classmethod

@@ -19,6 +19,7 @@ Mirrors ``FluxPipeline.__call__`` piece by piece:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,18 @@ from flowgrpo.models.base import (
     vae_scale,
 )
 from flowgrpo.models.parallel import SequenceParallelSpec, local_chunk
+from flowgrpo.settings import ge, setting
+
+
+@dataclass
+class FluxSettings:
+    """FLUX.1's own settings, the config section ``flux`` (FLUX.1 Kontext takes them too)."""
+
+    true_cfg_scale: float = setting(
+        1.0,
+        "FLUX.1 (and FLUX.1 Kontext): true CFG with the negative prompt when > 1 (1 = off).",
+        check=ge(1, " (1 = off)"),
+    )
 
 
 # -- sequence parallelism: a processor that masks padded text ---------------------------------
@@ -115,8 +128,15 @@ class FluxAdapter(DiffusionAdapter):
     )
     sequence_parallel = FluxSequenceParallel()
     truncation_loggers = ("diffusers.pipelines.flux.pipeline_flux",)
+    settings_class = FluxSettings
 
-    def __init__(self, pipe: Any, *, true_cfg_scale: float = 1.0, max_sequence_length: int = 512):
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        true_cfg_scale: float = FluxSettings.true_cfg_scale,
+        max_sequence_length: int = 512,
+    ):
         super().__init__(pipe)
         if true_cfg_scale < 1.0:
             raise ValueError(f"true_cfg_scale must be >= 1 (1 = off), got {true_cfg_scale}")
@@ -156,7 +176,7 @@ class FluxAdapter(DiffusionAdapter):
     @classmethod
     def plans_cfg(cls, guidance_scale: float, options: dict[str, Any]) -> bool:
         """FLUX.1-dev's guidance is distilled: a negative branch only for true CFG."""
-        return options.get("true_cfg_scale", 1.0) > 1
+        return options.get("true_cfg_scale", FluxSettings.true_cfg_scale) > 1
 
     @classmethod
     def size_rule(cls, config: Callable[[str], dict]) -> SizeRule:
@@ -265,4 +285,4 @@ class FluxAdapter(DiffusionAdapter):
         return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
-__all__ = ["FluxAdapter"]
+__all__ = ["FluxAdapter", "FluxSettings"]

@@ -10,7 +10,7 @@ are the same):
   resized (``image_processor.resize``) and preprocessed to [-1, 1]; VAE-encoded ("argmax",
   ``(z - shift) * scale``, in the text encoder's dtype as the pipeline's ``prepare_latents``)
   and packed 2x2, once per sample (both guidance branches share it). ``source_size=N``
-  (``model.source_size``) resizes every source to N x N instead (flow_grpo's training: 512).
+  (``flux_kontext.source_size``) resizes every source to N x N instead (flow_grpo's training: 512).
 - the source tokens are concatenated after the noised tokens along the sequence; their
   position ids are the pipeline's image ids with the first coordinate 1 (the noised tokens'
   is 0); the transformer's output is cut back to the noised tokens. They are never noised nor
@@ -28,19 +28,35 @@ are the same):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from flowgrpo.models.base import PromptEmbeds, TokenCounts, planner_vae
-from flowgrpo.models.flux import FluxAdapter
+from flowgrpo.models.flux import FluxAdapter, FluxSettings
 from flowgrpo.models.qwen_image_edit import pil_rows
+from flowgrpo.settings import ge, optional, setting
+
+
+@dataclass
+class FluxKontextSettings:
+    """FLUX.1 Kontext's own settings, the config section ``flux_kontext`` (its true CFG is
+    FLUX.1's: ``flux.true_cfg_scale``)."""
+
+    source_size: int | None = setting(
+        None,
+        "FLUX.1 Kontext: resize every source image to this many pixels square (a multiple of "
+        "16) instead of the pipeline's preferred resolution of its aspect ratio (~1024²); the "
+        "reference counting_edit runs use the output size, 512. null = the pipeline's rule.",
+        check=optional(ge(1)),
+    )
 
 
 def _check_source_size(m: int, source_size: int | None) -> None:
     if source_size is not None and (source_size < m or source_size % m):
         raise ValueError(
-            f"model.source_size must be a positive multiple of {m} for FLUX.1 "
+            f"flux_kontext.source_size must be a positive multiple of {m} for FLUX.1 "
             f"Kontext (VAE {m // 2} x 2x2 packing), got {source_size}"
         )
 
@@ -61,14 +77,15 @@ class FluxKontextAdapter(FluxAdapter):
     #: (yifan123/flow_grpo@2e2f712 scripts/train_flux_kontext.py:411-425)
     lora_target_modules = (*FluxAdapter.lora_target_modules, "proj_mlp")
     truncation_loggers = ("diffusers.pipelines.flux.pipeline_flux_kontext",)
+    settings_class = FluxKontextSettings
 
     def __init__(
         self,
         pipe: Any,
         *,
-        true_cfg_scale: float = 1.0,
+        true_cfg_scale: float = FluxSettings.true_cfg_scale,
         max_sequence_length: int = 512,
-        source_size: int | None = None,
+        source_size: int | None = FluxKontextSettings.source_size,
     ):
         super().__init__(
             pipe, true_cfg_scale=true_cfg_scale, max_sequence_length=max_sequence_length
@@ -114,7 +131,7 @@ class FluxKontextAdapter(FluxAdapter):
             size = image.size if not isinstance(image, torch.Tensor) else image.shape[:-3:-1]
             raise ValueError(
                 f"a source image of {size[0]} x {size[1]} pixels is smaller than FLUX.1 "
-                f"Kontext's multiple of {m}: give larger images (or set model.source_size)"
+                f"Kontext's multiple of {m}: give larger images (or set flux_kontext.source_size)"
             )
         aspect = w / h
         _, w, h = min((abs(aspect - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
@@ -224,4 +241,4 @@ class FluxKontextAdapter(FluxAdapter):
         return out[:, :n]
 
 
-__all__ = ["FluxKontextAdapter"]
+__all__ = ["FluxKontextAdapter", "FluxKontextSettings"]

@@ -36,49 +36,18 @@ SUPPORTED_PIPELINES: dict[str, str] = {
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)
 BUILTIN_PIPELINES: dict[str, str] = {"toy-digits": "flowgrpo.toy.pipeline:shipped_dir"}
-#: the shipped presets (``flowgrpo/config/presets``) and the pipeline classes each is made for
-#: (``model_index.json``'s ``_class_name``; ``flowgrpo.config.validate`` checks model.path)
-PRESET_PIPELINES: dict[str, tuple[str, ...]] = {
-    "toy-digits": ("ToyDigitsPipeline",),
-    "sd3-ocr": ("StableDiffusion3Pipeline",),
-    "qwen-image-ocr": ("QwenImagePipeline",),
-    "flux-pickscore": ("FluxPipeline",),
-    "wan-t2v-ocr": ("WanPipeline",),
-    "flux2-pickscore": ("Flux2Pipeline",),
-    "flux2-klein-pickscore": ("Flux2KleinPipeline",),
-    "z-image-pickscore": ("ZImagePipeline",),
-    "z-image-turbo-pickscore": ("ZImagePipeline",),
-    "qwen-image-21-pickscore": ("QwenImage21Pipeline",),
-    "hunyuan-video15-pickscore": ("HunyuanVideo15Pipeline",),
-    "qwen-image-edit-counting": ("QwenImageEditPipeline",),
-    "flux-kontext-counting": ("FluxKontextPipeline",),
-    "sd3-geneval": ("StableDiffusion3Pipeline",),
-    "sd3-vlm-judge": ("StableDiffusion3Pipeline",),
-    "chroma-pickscore": ("ChromaPipeline",),
+
+
+#: config keys that moved, old -> new: each family's own settings left ``model`` for its
+#: family's section (issue 35); the config loader reads the old key as the new one on the
+#: command line, in YAML files and in the config a run recorded (``config.loader.renamed``)
+MOVED_KEYS: dict[str, str] = {
+    "model.true_cfg_scale": "flux.true_cfg_scale",
+    "model.guidance_scale_2": "wan.guidance_scale_2",
+    "model.cfg_normalization": "zimage.cfg_normalization",
+    "model.cfg_truncation": "zimage.cfg_truncation",
+    "model.source_size": "flux_kontext.source_size",
 }
-#: the shipped presets, the real models they are written for (config sets in
-#: ``assets/model_configs``, ``model.path=known:NAME``) and the settings each needs: the rows of
-#: docs/memory.md's tables (``flowgrpo.planner.advice``)
-PRESET_MODELS: list[tuple[str, str, list[str]]] = [
-    ("qwen-image-ocr", "qwen-image", []),
-    ("flux-pickscore", "flux.1-dev", []),
-    ("sd3-ocr", "sd3.5-medium", []),
-    ("sd3-geneval", "sd3.5-medium", []),
-    ("sd3-vlm-judge", "sd3.5-medium", []),
-    ("sd3-ocr", "sd3.5-large", []),
-    ("wan-t2v-ocr", "wan2.1-t2v-1.3b", []),
-    ("wan-t2v-ocr", "wan2.2-t2v-a14b", ["model.guidance_scale_2=3.0"]),
-    ("flux2-pickscore", "flux.2-dev", []),
-    ("flux2-klein-pickscore", "flux.2-klein-4b", []),
-    ("flux2-klein-pickscore", "flux.2-klein-9b", []),
-    ("z-image-pickscore", "z-image", []),
-    ("z-image-turbo-pickscore", "z-image", []),
-    ("qwen-image-21-pickscore", "qwen-image-2.1", []),
-    ("hunyuan-video15-pickscore", "hunyuan-video-1.5-480p-t2v", []),
-    ("flux-kontext-counting", "flux.1-kontext-dev", []),
-    ("qwen-image-edit-counting", "qwen-image-edit", []),
-    ("chroma-pickscore", "chroma1-hd", []),
-]
 
 
 def family_of(adapter_path: str) -> str:
@@ -96,6 +65,21 @@ def families() -> dict[str, tuple[str, ...]]:
     for pipeline, path in SUPPORTED_PIPELINES.items():
         name = family_of(path)
         out[name] = (*out.get(name, ()), pipeline)
+    return out
+
+
+def family_settings() -> dict[str, type]:
+    """{family name: its settings dataclass}, in ``SUPPORTED_PIPELINES`` order, for each family
+    whose adapter module declares one (an adapter's ``settings_class`` defined in that module):
+    the config gets one section per entry, named as the family (``flux.true_cfg_scale``), so a
+    new family adds its section by its registry line. Imports the adapters (none imports
+    diffusers at import time)."""
+    out: dict[str, type] = {}
+    for path in dict.fromkeys(SUPPORTED_PIPELINES.values()):
+        settings = getattr(import_adapter(path), "settings_class", None)
+        module = path.partition(":")[0]
+        if settings is not None and settings.__module__ == module:
+            out.setdefault(family_of(path), settings)
     return out
 
 
@@ -175,15 +159,16 @@ def _init_options(adapter_cls: type) -> set[str]:
 def adapter_options(pipeline_cls: type | str) -> set[str]:
     """The keyword options the adapter of ``pipeline_cls`` (a class, or a supported class's
     name) takes (e.g. ``true_cfg_scale``): its ``__init__`` keywords after the pipeline, each a
-    ``model.*`` setting of the config."""
+    setting of the config (a family setting in its family's section, a shared one in
+    ``model``)."""
     if isinstance(pipeline_cls, str):
         return _init_options(import_adapter(SUPPORTED_PIPELINES[pipeline_cls]))
     return _init_options(import_adapter(resolve_adapter_path(pipeline_cls)))
 
 
 def family_options() -> set[str]:
-    """Every option some registered adapter takes: the ``model.*`` settings that belong to a
-    family (the trainer passes those that are set, and refuses one the model does not take)."""
+    """Every option some registered adapter takes: the settings that belong to a family (the
+    trainer passes those that are set, and refuses one the model does not take)."""
     return set().union(*(_init_options(cls) for cls in adapter_classes()))
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +45,33 @@ from flowgrpo.models.base import (
     TokenCounts,
     planner_vae,
 )
-from flowgrpo.models.wan_experts import WanExperts, compute_dtype
+from flowgrpo.settings import ge, optional, setting
+
+
+@dataclass
+class WanSettings:
+    """Wan's own settings, the config section ``wan`` (its size, ``model.num_frames``, is
+    shared with the other video families)."""
+
+    guidance_scale_2: float | None = setting(
+        None,
+        "Wan2.2 (two experts): CFG scale of the low-noise expert; null = `sample.guidance_scale`.",
+        check=optional(ge(0)),
+    )
+
+
+#: ``wan_experts``'s names, re-exported here and imported when first asked for: that module
+#: imports diffusers, which reading the config (``WanSettings``) must not
+_FROM_EXPERTS = ("WanExperts", "compute_dtype")
+
+
+def __getattr__(name: str) -> Any:
+    """A name of ``_FROM_EXPERTS``, from ``wan_experts`` on first use."""
+    if name in _FROM_EXPERTS:
+        from flowgrpo.models import wan_experts
+
+        return getattr(wan_experts, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def use_flow_match(pipe: Any) -> Any:
@@ -90,6 +117,7 @@ class WanAdapter(DiffusionAdapter):
     )
     batch_cfg = True  # no text mask anywhere: both branches are padded to the same L
     default_negative_prompt = ""  # WanPipeline.encode_prompt: negative_prompt or ""
+    settings_class = WanSettings
 
     def __init__(
         self,
@@ -97,7 +125,7 @@ class WanAdapter(DiffusionAdapter):
         *,
         num_frames: int = 81,
         max_sequence_length: int = 512,
-        guidance_scale_2: float | None = None,
+        guidance_scale_2: float | None = WanSettings.guidance_scale_2,
     ):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -123,6 +151,8 @@ class WanAdapter(DiffusionAdapter):
         if ratio is not None:
             if pipe.transformer_2 is None:
                 raise ValueError("boundary_ratio is set but the pipeline has no transformer_2")
+            from flowgrpo.models.wan_experts import WanExperts
+
             self._experts = WanExperts(pipe.transformer, pipe.transformer_2, self.boundary_timestep)
         self.guidance_scale_2 = guidance_scale_2
         self.max_sequence_length = max_sequence_length
@@ -148,6 +178,8 @@ class WanAdapter(DiffusionAdapter):
 
     @property
     def dtype(self) -> torch.dtype:
+        from flowgrpo.models.wan_experts import compute_dtype
+
         return compute_dtype(self.transformer)
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -286,6 +318,8 @@ class WanAdapter(DiffusionAdapter):
             raise ValueError(f"{len(embeds)} prompt embeddings for a batch of {batch} latents")
         if self.boundary_timestep is not None and not hasattr(transformer, "boundary_timestep"):
             raise ValueError("Wan2.2 has two experts: pass adapter.transformer (WanExperts)")
+        from flowgrpo.models.wan_experts import compute_dtype
+
         dtype = compute_dtype(transformer)
         t = sigma.to(latents.device, torch.float32) * self.num_train_timesteps
         if self.expand_timesteps:  # one timestep per video token (mask[0][0][:, ::2, ::2] * t)
@@ -312,4 +346,4 @@ class WanAdapter(DiffusionAdapter):
         return (video.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
-__all__ = ["WanAdapter", "WanExperts", "compute_dtype", "use_flow_match"]
+__all__ = ["WanAdapter", "WanSettings", "use_flow_match"]

@@ -25,6 +25,7 @@ Mirrors ``ZImagePipeline.__call__`` of diffusers 0.42.1 piece by piece:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +43,25 @@ from flowgrpo.models.base import (
     vae_scale,
 )
 from flowgrpo.models.parallel import SequenceParallelSpec
+from flowgrpo.settings import ge, setting
+
+
+@dataclass
+class ZImageSettings:
+    """Z-Image's own settings, the config section ``zimage``: the pipeline's CFG options."""
+
+    cfg_normalization: float = setting(
+        0.0,
+        "Z-Image: clip each guided sample's norm to this multiple of the conditional one's (the "
+        "pipeline's `cfg_normalization`; 0 = off).",
+        check=ge(0, " (0 = off)"),
+    )
+    cfg_truncation: float = setting(
+        1.0,
+        "Z-Image: no CFG at the steps whose normalized time (1000 - t)/1000 exceeds this (the "
+        "pipeline's `cfg_truncation`; 1 = CFG at every step).",
+    )
+
 
 #: the transformer pads every image and caption to a multiple of this many tokens
 #: (diffusers' ``transformer_z_image.SEQ_MULTI_OF``)
@@ -158,14 +178,15 @@ class ZImageAdapter(DiffusionAdapter):
     batch_cfg = True
     sequence_parallel = ZImageSequenceParallel()
     default_negative_prompt = ""  # the pipeline's when none is given
+    settings_class = ZImageSettings
 
     def __init__(
         self,
         pipe: Any,
         *,
         max_sequence_length: int = 512,
-        cfg_normalization: float = 0.0,
-        cfg_truncation: float = 1.0,
+        cfg_normalization: float = ZImageSettings.cfg_normalization,
+        cfg_truncation: float = ZImageSettings.cfg_truncation,
     ):
         super().__init__(pipe)
         if max_sequence_length < 1:
@@ -340,4 +361,4 @@ class ZImageAdapter(DiffusionAdapter):
         return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
-__all__ = ["ZImageAdapter"]
+__all__ = ["ZImageAdapter", "ZImageSettings"]

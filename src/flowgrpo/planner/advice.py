@@ -267,11 +267,11 @@ def fits_line(preset: str | None, overrides: list[str], gpus: int) -> str:
 def smallest_gpu_table(gpus: int = 8) -> str:
     """docs/memory.md's table: per preset's real model, the smallest card of ``CARDS`` it
     trains on (``gpus`` of them) as shipped and with each knob set of ``FIT_KNOBS``."""
-    from flowgrpo.models.registry import PRESET_MODELS
+    from flowgrpo.config.shipped import preset_models
 
     head = "| preset, model | " + " | ".join(label for label, _ in FIT_KNOBS) + " |"
     lines = [head, "|" + "---|" * (1 + len(FIT_KNOBS))]
-    for preset, model, extra in PRESET_MODELS:
+    for preset, model, extra in preset_models():
         over = [f"model.path={KNOWN_PREFIX}{model}", *extra]
         cells = []
         for _, knobs in FIT_KNOBS:
@@ -301,10 +301,10 @@ def docs_table(gpu_sizes: tuple[float, ...] = (80, 141), gpus: int = 8) -> str:
     head = "| preset, model | training | " + " | ".join(
         f"{gpus}x{g:g} GiB: GiB/GPU, settings added" for g in gpu_sizes
     )
-    from flowgrpo.models.registry import PRESET_MODELS
+    from flowgrpo.config.shipped import preset_models
 
     lines = [head + " |", "|" + "---|" * (2 + len(gpu_sizes))]
-    for preset, model, extra in PRESET_MODELS:
+    for preset, model, extra in preset_models():
         for label, more in (
             ("LoRA (preset)", []),
             ("full, KL as preset", ["lora.enabled=false", "lora.target_modules=null"]),

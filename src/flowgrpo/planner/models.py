@@ -57,10 +57,11 @@ def read_model_configs(path: str) -> dict[str, Any]:
 
 def preset_model(preset: str | None) -> list[str] | None:
     """The settings that plan shipped preset ``preset`` on its own model: ``model.path`` of
-    its first config set (``PRESET_MODELS``) and what that row adds; None for other presets."""
-    from flowgrpo.models.registry import PRESET_MODELS
+    its first config set (its ``made_for.models``, ``flowgrpo.config.shipped``) and what that
+    row adds; None for other presets."""
+    from flowgrpo.config.shipped import preset_models
 
-    for name, model, extra in PRESET_MODELS:
+    for name, model, extra in preset_models():
         if name == preset:
             return [f"model.path={KNOWN_PREFIX}{model}", *extra]
     return None

@@ -254,7 +254,7 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     configs = read_model_configs(str(cfg.model.path))
     index = configs["model_index"]
     pipeline = str(index.get("_class_name", ""))
-    from flowgrpo.models.registry import SUPPORTED_PIPELINES, family_options, import_adapter
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
 
     if pipeline not in SUPPORTED_PIPELINES:
         raise ValueError(
@@ -262,7 +262,7 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
             f"supported: {', '.join(SUPPORTED_PIPELINES)}"
         )
     fs, m = cfg.fsdp, cfg.model
-    from flowgrpo.config.checks import check_model_run
+    from flowgrpo.config.checks import check_model_run, planner_options
 
     # what the trainer refuses, from the same config files (flowgrpo.config.checks; the
     # editing model + prompt cache refusal among them: check_prompt_cache)
@@ -280,7 +280,7 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
         )
 
     adapter_cls = import_adapter(SUPPORTED_PIPELINES[pipeline])
-    options = {k: getattr(m, k) for k in family_options()}  # the family's model.* options
+    options = planner_options(cfg)  # every adapter option, from its section
     trained = [c for c in adapter_cls.trained_components(index) if c in configs and c in index]
     shapes = []
     for comp in trained:

@@ -8,7 +8,6 @@ The seeds live in ``flowgrpo.trainer.seeds`` and the run folder in
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -28,15 +27,12 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
     """The pipeline at ``model.path`` (a local diffusers directory or a built-in one) wrapped
     in its adapter, on this rank's device, in ``model.dtype`` ("auto": bf16 on CUDA, else fp32);
     the trained transformer(s) on the meta device, for ``build_engine`` to load sharded.
-    The family options (``model.*`` settings some adapter takes, ``registry.family_options``)
-    that differ from their defaults go to the adapter; one it does not take is a clear error."""
+    The adapter options that differ from their defaults (its family's section, the shared
+    ``model.*`` ones: ``config.checks.adapter_kwargs``) go to the adapter; one it does not take
+    is a clear error."""
+    from flowgrpo.config.checks import adapter_kwargs
     from flowgrpo.engine.load import move_components
-    from flowgrpo.models.registry import (
-        adapter_options,
-        build_adapter,
-        family_options,
-        load_pipeline,
-    )
+    from flowgrpo.models.registry import build_adapter, load_pipeline
     from flowgrpo.settings import resolve_dtype
 
     m = cfg.model
@@ -51,16 +47,7 @@ def build_adapter_for(cfg: Any, dist: DistInfo) -> Any:
         quantize_text_encoders(pipe, m.base_quant)
     if dist.device.type != "cpu":
         move_components(pipe, dist.device)
-    family, defaults = family_options(), type(m)()
-    options = {
-        f.name: getattr(m, f.name)
-        for f in dataclasses.fields(m)
-        if f.name in family and getattr(m, f.name) != getattr(defaults, f.name)
-    }
-    takes = adapter_options(type(pipe))
-    for key in options:
-        if key not in takes:
-            raise ValueError(f"model.{key} does not apply to {type(pipe).__name__}")
+    options = adapter_kwargs(cfg, type(pipe))
     vae = getattr(pipe, "vae", None)
     for on, name in ((m.vae_slicing, "enable_slicing"), (m.vae_tiling, "enable_tiling")):
         if on and hasattr(vae, name):  # the VAE decodes a sample (a tile) at a time
