@@ -580,35 +580,33 @@ _ALGORITHM_NAMES = ", ".join(f"`{n}`" for n in list(ALGORITHMS)[:-1]) + (
 )
 
 
-def _with_algorithm_sections(cls: type) -> type:
-    """Give ``cls`` one section per registered algorithm, named as it, holding its settings
-    class (``flowgrpo.algorithms.algorithm_settings``), right after the ``update`` section: the
-    schema names no algorithm, and a new one gets its section from its registry line."""
+def _with_sections(cls: type, after: str, sections: dict[str, type]) -> type:
+    """Give ``cls`` one section per entry of ``sections`` (name -> settings class), right after
+    its field ``after``, each defaulting to its settings class's defaults."""
     annotations: dict[str, object] = {}
     for key, hint in cls.__annotations__.items():
         annotations[key] = hint
-        if key == "update":
-            for name, settings in algorithm_settings().items():
+        if key == after:
+            for name, settings in sections.items():
                 annotations[name] = settings
                 setattr(cls, name, field(default_factory=settings))
     cls.__annotations__ = annotations
     return cls
+
+
+def _with_algorithm_sections(cls: type) -> type:
+    """One section per registered algorithm, named as it, holding its settings class
+    (``flowgrpo.algorithms.algorithm_settings``), right after the ``update`` section: the
+    schema names no algorithm, and a new one gets its section from its registry line."""
+    return _with_sections(cls, "update", algorithm_settings())
 
 
 def _with_family_sections(cls: type) -> type:
-    """Give ``cls`` one section per family that declares settings, named as the family,
-    holding its settings class (``flowgrpo.models.registry.family_settings``, declared in the
-    family's adapter file), right after the ``model`` section: the schema names no family,
-    and a new one gets its section from its registry line."""
-    annotations: dict[str, object] = {}
-    for key, hint in cls.__annotations__.items():
-        annotations[key] = hint
-        if key == "model":
-            for name, settings in family_settings().items():
-                annotations[name] = settings
-                setattr(cls, name, field(default_factory=settings))
-    cls.__annotations__ = annotations
-    return cls
+    """One section per family that declares settings, named as the family, holding its
+    settings class (``flowgrpo.models.registry.family_settings``, declared in the family's
+    adapter file), right after the ``model`` section: the schema names no family, and a new
+    one gets its section from its registry line."""
+    return _with_sections(cls, "model", family_settings())
 
 
 @dataclass
