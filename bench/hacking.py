@@ -9,9 +9,12 @@ run of ``flowgrpo train`` in a subprocess on one thread:
 
 - ``none``: no guard: the judge peaks and falls while the training reward still rises;
 - ``stop``: ``guard.max_gold_drop=0.02 guard.action=stop``;
+- ``stop_patience2``: the same with ``guard.patience=2`` (the drop at two evals in a row);
 - ``rollback``: the same with ``guard.action=rollback guard.on_rollback.optim.lr=1e-4``;
 - ``pairwise``: no guard, the same hackable score judged in pairs (``digits_pairwise`` with
-  ``ink_weight=0.5``): each sample's reward is its win rate in its group (Pref-GRPO).
+  ``ink_weight=0.5``): each sample's reward is its win rate in its group (Pref-GRPO);
+- ``pairwise_ties``: the same with ``margin=0.05``: scores closer than 0.05 are a tie (0.5 to
+  each side), as a judge that cannot tell two images apart answers.
 
 ``run`` trains what is missing under ``--out``; ``report`` reads the run folders and writes
 the figures and the tables into docs/reward_hacking.md (between its BEGIN/END markers).
@@ -49,6 +52,7 @@ COMMON = (
 VARIANTS: dict[str, tuple[str, ...]] = {
     "none": (),
     "stop": (f"guard.max_gold_drop={MAX_DROP}", "guard.action=stop"),
+    "stop_patience2": (f"guard.max_gold_drop={MAX_DROP}", "guard.action=stop", "guard.patience=2"),
     "rollback": (
         f"guard.max_gold_drop={MAX_DROP}",
         "guard.action=rollback",
@@ -56,6 +60,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
         "guard.max_rollbacks=2",
     ),
     "pairwise": ("reward=digits_pairwise", "reward.digits_pairwise.options.ink_weight=0.5"),
+    "pairwise_ties": (
+        "reward=digits_pairwise",
+        "reward.digits_pairwise.options.ink_weight=0.5",
+        "reward.digits_pairwise.options.margin=0.05",
+    ),
 }
 
 
@@ -162,6 +171,9 @@ def summarize(out: Path) -> dict:
                 "best_gold": (best.get("gold") or {}).get("gold"),
                 "best_step": (best.get("gold") or {}).get("step"),
                 "rollbacks": best.get("rollbacks", 0),
+                "stopped_at": next(
+                    (e["step"] for e in best.get("events", []) if e["action"] == "stop"), None
+                ),
                 "curve": [(int(r["step"]), judge(r), float(r["eval/reward_mean"])) for r in rows],
                 "retired": [(int(r["step"]), judge(r)) for r in retired(folder)],
             }

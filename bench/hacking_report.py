@@ -12,7 +12,14 @@ from bench.hacking import DOC, MAX_DROP, ROOT, SEEDS
 
 BEGIN, END = "<!-- BEGIN hacking bench -->", "<!-- END hacking bench -->"
 FIGURE = ROOT / "docs" / "reward_hacking_curves.png"
-COLORS = {"none": "tab:red", "stop": "tab:blue", "rollback": "tab:green", "pairwise": "tab:purple"}
+COLORS = {
+    "none": "tab:red",
+    "stop": "tab:blue",
+    "stop_patience2": "tab:cyan",
+    "rollback": "tab:green",
+    "pairwise": "tab:purple",
+    "pairwise_ties": "tab:orange",
+}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -29,7 +36,7 @@ def plot(res: dict, path: Path) -> None:
             label = variant if seed == min(seeds) else None
             c = COLORS.get(variant, "k")
             a.plot(steps, [x[1] for x in r["curve"]], color=c, label=label, alpha=0.8)
-            if variant != "pairwise":  # its eval reward is a win rate against the base
+            if not variant.startswith("pairwise"):  # its eval reward is a win rate against the base
                 b.plot(steps, [x[2] for x in r["curve"]], color=c, label=label, alpha=0.8)
             if r["retired"]:  # a rollback's retired branch, dotted
                 xs = sorted(r["retired"])
@@ -79,17 +86,22 @@ def tables(res: dict) -> str:
             f"{r['reward_at_peak']:.3f} → {r['reward_last']:.3f}: "
             f"{'hacking shown' if rose and fell else 'NOT shown (yet)'}"
         )
-    for seed, r in sorted(res.get("stop", {}).items()):
-        ref = none.get(seed)
-        if ref is None or r["best_gold"] is None:
-            continue
-        evals_after = (r["last_step"] - ref["peak_step"]) // 5
-        checks.append(
-            f"- stop, seed {seed}: stopped at step {r['last_step']} "
-            f"({evals_after} evals after the unguarded peak at {ref['peak_step']}); best "
-            f"checkpoint's judge {r['best_gold']:.3f} = {r['best_gold'] / ref['peak']:.3f}× "
-            f"the peak (target ≥ 0.98×, within 2 evals)"
-        )
+    for variant in ("stop", "stop_patience2"):
+        for seed, r in sorted(res.get(variant, {}).items()):
+            ref = none.get(seed)
+            if ref is None or r["best_gold"] is None:
+                continue
+            evals_after = (r["last_step"] - ref["peak_step"]) // 5
+            ended = (
+                f"stopped at step {r['stopped_at']}"
+                if r.get("stopped_at") is not None
+                else f"no trip, ran to step {r['last_step']}"
+            )
+            checks.append(
+                f"- {variant}, seed {seed}: {ended} ({evals_after} evals after the unguarded "
+                f"peak at {ref['peak_step']}); best checkpoint's judge {r['best_gold']:.3f} = "
+                f"{r['best_gold'] / ref['peak']:.3f}× the peak (target ≥ 0.98×, within 2 evals)"
+            )
     for seed, r in sorted(res.get("rollback", {}).items()):
         ref = none.get(seed)
         if ref is None:
@@ -104,11 +116,15 @@ def tables(res: dict) -> str:
         "| reward | judge ≥ 0.9 at step (median) | judge ≥ 0.95 | peak judge | fall after the peak |",
     ]
     side.append("|---|---|---|---|---|")
-    for variant in ("none", "pairwise"):
+    names = {
+        "none": "pointwise (digits + 0.5 ink)",
+        "pairwise": "pairwise (same score)",
+        "pairwise_ties": "pairwise, ties within 0.05",
+    }
+    for variant, name in names.items():
         seeds = res.get(variant, {})
         if not seeds:
             continue
-        name = "pointwise (digits + 0.5 ink)" if variant == "none" else "pairwise (same score)"
         side.append(
             f"| {name} | {_med([r['to_0.9'] for r in seeds.values()], 'g')} | "
             f"{_med([r['to_0.95'] for r in seeds.values()], 'g')} | "

@@ -32,6 +32,23 @@ def test_trips_when_gold_falls_while_reward_rises():
     )
 
 
+def test_patience_waits_for_that_many_tripping_evals_in_a_row():
+    # step 10 trips alone; with patience 2 it needs step 15 to trip as well
+    rec = _record([(0, 0.5, 0.60, None), (5, 0.8, 0.90, "c5"), (10, 0.9, 0.85, "c10")])
+    assert guard.check(rec, 0.02, patience=1) is not None
+    assert guard.check(rec, 0.02, patience=2) is None
+    guard.record_eval(rec, 15, 0.95, 0.91)  # the judge recovered past the peak: no trip
+    assert guard.check(rec, 0.02, patience=2) is None
+    guard.record_eval(rec, 20, 0.96, 0.88)  # 0.03 below the new peak (step 15) ...
+    assert guard.check(rec, 0.02, patience=2) is None  # ... but step 15 itself did not trip
+    guard.record_eval(rec, 25, 0.97, 0.87)
+    trip = guard.check(rec, 0.02, patience=2)
+    assert trip is not None and (trip.now.step, trip.peak.step) == (25, 15)
+    assert trip.drop == pytest.approx(0.04)
+    guard.record_eval(rec, 30, 0.90, 0.80)  # the reward fell below the peak's: not hacking
+    assert guard.check(rec, 0.02, patience=2) is None
+
+
 def test_no_trip_when_the_training_reward_fell_too():
     # gold and reward both fell: a collapse, not hacking; the guard leaves it to the user
     rec = _record([(5, 0.8, 0.90, "c5"), (10, 0.7, 0.80, "c10")])

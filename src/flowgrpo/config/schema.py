@@ -518,6 +518,12 @@ class GuardConfig:
     max_rollbacks: int = setting(
         2, "Rollbacks at most; the next trigger stops the run.", check=ge(1)
     )
+    patience: int = setting(
+        1,
+        "Act only when the rule holds at this many evals in a row (2: one noisy eval, a drop "
+        "within the gold reward's sampling noise, does not trip the guard).",
+        check=ge(1),
+    )
 
 
 @dataclass

@@ -7,7 +7,8 @@ they applied. Everything else is computed from those rows:
 
 - the peak: the eval with the best gold score;
 - the guard trips at an eval whose gold score is ``max_gold_drop`` or more below the peak's
-  while its training reward is above the peak's (the reward rose, the gold fell: hacking);
+  while its training reward is above the peak's (the reward rose, the gold fell: hacking),
+  and with ``patience`` N at the N-th such eval in a row (one noisy eval does not trip it);
 - the best checkpoint by gold (or by training reward): the best row that has a checkpoint;
   a rollback resumes from the best checkpoint at or before the peak.
 """
@@ -101,17 +102,17 @@ class Trip(NamedTuple):
     drop: float
 
 
-def check(record: dict[str, Any], max_gold_drop: float) -> Trip | None:
-    """The guard's rule at the latest eval: a Trip when its gold score is ``max_gold_drop``
-    or more below the peak's while its training reward is above the peak's; else None."""
-    evals = rows(record)
+def check(record: dict[str, Any], max_gold_drop: float, patience: int = 1) -> Trip | None:
+    """The guard's rule at the latest eval: a Trip when the gold score of each of the latest
+    ``patience`` evals is ``max_gold_drop`` or more below the peak's while its training
+    reward is above the peak's; else None."""
+    evals = sorted(rows(record), key=lambda r: r.step)
     top = peak(record)
-    if not evals or top is None:
+    if len(evals) < patience or top is None:
         return None
-    now = max(evals, key=lambda r: r.step)
-    drop = top.gold - now.gold
-    if drop >= max_gold_drop - _TOL and now.reward > top.reward:
-        return Trip(now, top, drop)
+    latest = evals[len(evals) - patience :]
+    if all(top.gold - r.gold >= max_gold_drop - _TOL and r.reward > top.reward for r in latest):
+        return Trip(latest[-1], top, top.gold - latest[-1].gold)
     return None
 
 
@@ -217,7 +218,7 @@ def on_eval(cfg: Any, record: dict[str, Any], step: int, metrics: dict) -> Trip 
     trip, no guard, or the base eval)."""
     record_eval(record, step, metrics["eval/reward_mean"], metrics["eval/gold_score"])
     drop = cfg.guard.max_gold_drop
-    return None if drop is None or step == 0 else check(record, drop)
+    return None if drop is None or step == 0 else check(record, drop, cfg.guard.patience)
 
 
 def act_on_trip(cfg: Any, record: dict[str, Any], trip: Trip, write: Any) -> str:
