@@ -438,11 +438,16 @@ class HunyuanVideo15Adapter(DiffusionAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """[B, C, F', h, w] latents -> videos [B, 3, F, H, W] fp32 in [0, 1] on CPU."""
+        """[B, C, F', h, w] latents -> videos [B, 3, F, H, W] fp32 in [0, 1] on CPU, decoded
+        one sample at a time whatever ``model.vae_slicing`` says: diffusers 0.42.1's
+        AutoencoderKLHunyuanVideo15 fails on a batch > 1 (its mid-block attention mask has
+        batch 1: "output with shape [2, 1, ...] doesn't match the broadcast shape")."""
         vae = self.pipe.vae
         x = latents.to(next(vae.parameters()).device, vae.dtype) / vae.config.scaling_factor
-        video = vae.decode(x, return_dict=False)[0]
-        return (video.float() / 2 + 0.5).clamp(0, 1).cpu()
+        videos = [
+            vae.decode(x[i : i + 1], return_dict=False)[0].float().cpu() for i in range(len(x))
+        ]
+        return (torch.cat(videos) / 2 + 0.5).clamp(0, 1)
 
 
 __all__ = ["HunyuanVideo15Adapter"]
