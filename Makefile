@@ -54,9 +54,10 @@ test: $(STAMP)
 	  (grep -v "is ignored" build/vllm-venv.log | tail -n 3 > build/vllm-venv.failed)) & \
 	FLOWGRPO_VLLM_BUILDING=1 $(PY) -m pytest; rc=$$?; wait; exit $$rc
 
-# the local loop: everything but the tests that spawn ranks or train end to end (`slow`)
+# the local loop: everything but the tests that spawn ranks or train end to end (`slow`), the
+# per-family tests on the "core" cost tier's families only (flowgrpo.testing.families.params)
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	FLOWGRPO_TEST_ROWS=core $(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests $(wildcard bench)

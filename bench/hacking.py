@@ -187,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--jobs", type=int, default=3)
+    p.add_argument(
+        "--block",
+        default="",
+        help="report into its own block of docs/reward_hacking.md (hacking bench: BLOCK)",
+    )
     args = p.parse_args(argv)
     if args.what in ("run", "all"):
         run(
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("report", "all"):
         from bench.hacking_report import write_report
 
-        write_report(summarize(args.out), args.out)
+        write_report(summarize(args.out), args.out, args.block)
     return 0
 
 

@@ -134,15 +134,23 @@ def tables(res: dict) -> str:
     return "\n".join(lines + [""] + checks + side)
 
 
-def write_report(res: dict, out: Path) -> None:
-    """The curves PNG, and the tables between the markers of docs/reward_hacking.md."""
-    plot(res, FIGURE)
+def write_report(res: dict, out: Path, block: str = "") -> None:
+    """The curves PNG, and the tables between the markers of docs/reward_hacking.md: those of
+    the first block, or with ``block`` those of ``hacking bench: <block>`` (a later bench of
+    some variants beside the first one's, with its own figure)."""
+    begin, end = (
+        (BEGIN, END) if not block else (BEGIN[:-4] + f": {block} -->", END[:-4] + f": {block} -->")
+    )
+    figure = FIGURE if not block else FIGURE.with_name(f"reward_hacking_curves_{block}.png")
+    plot(res, figure)
     for name in ("grid_before.png", "grid_after.png"):
         src = out / "none_s0" / name
-        if src.is_file():
+        if src.is_file() and not block:
             shutil.copy(src, ROOT / "docs" / f"reward_hacking_{name}")
     text = DOC.read_text()
-    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    if begin not in text:  # a new block: at the end of the document
+        text = text.rstrip("\n") + f"\n\n{begin}\n{end}\n"
+    a, b = text.index(begin) + len(begin), text.index(end)
     seeds = ", ".join(map(str, SEEDS))
-    body = f"\n\n![judge and reward curves]({FIGURE.name})\n\nSeeds {seeds}.\n\n{tables(res)}\n\n"
+    body = f"\n\n![judge and reward curves]({figure.name})\n\nSeeds {seeds}.\n\n{tables(res)}\n\n"
     DOC.write_text(text[:a] + body + text[b:])

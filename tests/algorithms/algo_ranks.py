@@ -10,7 +10,7 @@ import torch
 from flowgrpo.algorithms import ALGORITHMS as REGISTERED
 from flowgrpo.testing.compare import full_trainable
 from flowgrpo.testing.conformance import FAMILIES, family
-from flowgrpo.testing.families import core
+from flowgrpo.testing.families import core, rows_setting
 from flowgrpo.testing.ranks import rank_env
 
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
@@ -148,7 +148,7 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
 # algorithm's whole row, both modes (against the algorithms / families registered then), was run
 # once when it was added (the closing notes; FLOWGRPO_TEST_ALGORITHMS=NAME FLOWGRPO_TEST_ROWS=all
 # runs it).
-_ALL_ROWS = os.environ.get("FLOWGRPO_TEST_ROWS") == "all"
+_ALL_ROWS = rows_setting() == "all"
 MODES = ("lora", "full")
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
+from flowgrpo.testing.families import double
+from flowgrpo.testing.tiny import tiny_pipeline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -28,12 +29,13 @@ def save(kind: str, folder: Path) -> Path:
 
 
 def build(path: Path, case: str, *, empty: bool, dtype: str = "bf16", **fsdp):
-    """(engine, adapter) of a LoRA or full (with reference and EMA) fine-tune."""
+    """(engine, adapter) of a LoRA or full (with reference and EMA) fine-tune of the pipeline
+    saved in ``path`` (named as its test double's kind, ``save``)."""
     from flowgrpo.engine import DiffusersFSDPEngine, EngineConfig
-    from flowgrpo.models.registry import build_adapter, load_pipeline
+    from flowgrpo.models.registry import load_pipeline
 
     pipe = load_pipeline(path, torch_dtype=DTYPES[dtype], empty_trained=empty)
-    adapter = build_adapter(pipe, num_frames=5) if "wan" in path.name else build_adapter(pipe)
+    adapter = double(path.name).adapter(pipe)
     cfg = EngineConfig(seed=5)
     cfg.lora.enabled, cfg.lora.rank = case == "lora", 4
     cfg.ema.enabled, cfg.ema.update_every = True, 1
@@ -61,12 +63,18 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_once(engine, adapter) -> None:
+def train_once(engine, adapter, kind: str) -> None:
     """One optimizer step on the squared guided velocity of two prompts (identical inputs on
-    every rank: what an SP group needs)."""
-    h, w = tiny_size("sd3")
-    pos, neg = adapter.encode(["a red cube", "two dogs"], ["blurry"] * 2, guidance_scale=3.0)
-    latents = adapter.prepare_latents(2, h, w, torch.Generator().manual_seed(1))
+    every rank: what an SP group needs) at the test double's size (with its source images,
+    its frames)."""
+    fam = double(kind)
+    h, w = fam.size
+    prompts = list(fam.prompts[:2])
+    pos, neg = adapter.encode(
+        prompts, [fam.negative] * 2, guidance_scale=3.0, images=fam.source_images(prompts)
+    )
+    video = {} if fam.num_frames is None else {"num_frames": fam.num_frames}
+    latents = adapter.prepare_latents(2, h, w, torch.Generator().manual_seed(1), **video)
     sigma = torch.tensor([0.9, 0.4])
     v = adapter.velocity(
         engine.transformer, latents, sigma, pos, neg, guidance_scale=3.0, height=h, width=w
@@ -90,8 +98,8 @@ def compare(path: Path, case: str, dtype: str = "bf16", **fsdp) -> dict[str, lis
     old, old_adapter = build(path, case, empty=False, dtype=dtype, **fsdp)
     new, new_adapter = build(path, case, empty=True, dtype=dtype, **fsdp)
     loaded = (snapshot(old), snapshot(new))
-    train_once(old, old_adapter)
-    train_once(new, new_adapter)
+    train_once(old, old_adapter, path.name)
+    train_once(new, new_adapter, path.name)
     trained = (snapshot(old), snapshot(new))
     return {
         "loaded": differences(*loaded),

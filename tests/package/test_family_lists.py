@@ -79,7 +79,6 @@ PENDING = {
     "tests/config/test_config_sizes.py",  # published configs per family: reference data
     "tests/engine/sp_ranks.py",
     "tests/engine/sp_train_ranks.py",
-    "tests/engine/test_engine_load.py",
 }
 
 

@@ -206,4 +206,70 @@ class QwenImageAdapter(DiffusionAdapter):
         return (image.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
-__all__ = ["QwenImageAdapter"]
+# -- the Qwen VL processors of Qwen-Image-Edit (Qwen2.5-VL) and Qwen-Image 2.1 (Qwen3-VL) ------
+
+
+def vl_processor(
+    image_processor: Any,
+    tokenizer: Any,
+    processor_cls: type | None = None,
+    chat_template: str | None = None,
+) -> Any:
+    """A Qwen VL processor (``processor_cls``, Qwen2-VL's by default: the class the edit
+    pipelines declare) of ``image_processor`` and ``tokenizer`` without its video processor:
+    transformers 5 makes that one with torchvision, which this project does not install
+    (DESIGN.md), and the pipelines pass images only. Its ``save_pretrained`` writes the image
+    processor, the tokenizer and the chat template, which ``load_vl_processor`` reads back."""
+    from pathlib import Path
+    from unittest import mock
+
+    if processor_cls is None:
+        from transformers import Qwen2VLProcessor as processor_cls
+
+    # the class check resolves the video processor's class, which imports torchvision
+    with mock.patch.object(
+        processor_cls, "check_argument_for_proper_class", lambda self, name, arg: None
+    ):
+        proc = processor_cls(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+        )
+
+    def save_pretrained(folder: Any, **kwargs: Any) -> None:
+        image_processor.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        if proc.chat_template:
+            (Path(folder) / "chat_template.jinja").write_text(proc.chat_template)
+
+    proc.save_pretrained = save_pretrained  # diffusers' save_pretrained calls this
+    return proc
+
+
+def load_vl_processor(root: Any, processor_cls: type) -> dict[str, Any]:
+    """{"processor": ``vl_processor``} from the pipeline folder's ``processor/`` files (its
+    image processor, tokenizer and chat template; a video processor's files are left unread:
+    loading them needs torchvision), or {} without that folder."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    folder = Path(root) / "processor"
+    if not folder.is_dir():
+        return {}
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "chat_template.json").is_file():
+        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return {"processor": vl_processor(image_processor, tokenizer, processor_cls, template)}
+
+
+__all__ = ["QwenImageAdapter", "load_vl_processor", "vl_processor"]

@@ -43,7 +43,7 @@ from flowgrpo.models.base import (
     param_dtype,
 )
 from flowgrpo.models.parallel import SequenceParallelSpec, pad_tokens
-from flowgrpo.models.qwen_image import QwenImageAdapter
+from flowgrpo.models.qwen_image import QwenImageAdapter, load_vl_processor
 
 
 # -- sequence parallelism: a block-causal CP processor, a cp plan, trailing text padding -------
@@ -205,6 +205,15 @@ class QwenImage21Adapter(QwenImageAdapter):
 
     def __init__(self, pipe: Any):
         DiffusionAdapter.__init__(self, pipe)
+
+    @classmethod
+    def load_components(cls, root: Any) -> dict[str, Any]:
+        """The Qwen3-VL ``processor`` from the folder's image processor, tokenizer and chat
+        template (``load_vl_processor``): loading it whole needs torchvision for its video
+        processor, which the pipeline never uses."""
+        from transformers import Qwen3VLProcessor
+
+        return load_vl_processor(root, Qwen3VLProcessor)
 
     # -- text ---------------------------------------------------------------------------------
     @torch.no_grad()

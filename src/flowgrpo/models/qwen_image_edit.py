@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from flowgrpo.models.base import PromptEmbeds, TokenCounts, param_dtype, planner_vae
-from flowgrpo.models.qwen_image import QwenImageAdapter
+from flowgrpo.models.qwen_image import QwenImageAdapter, load_vl_processor, vl_processor
 
 
 def to_pil(image: torch.Tensor) -> Any:
@@ -51,31 +51,6 @@ def pil_rows(images: list[list[torch.Tensor]]) -> list[list[Any]]:
         if id(im) not in done:
             done[id(im)] = to_pil(im)
     return [[done[id(im)] for im in r] for r in images]
-
-
-def vl_processor(image_processor: Any, tokenizer: Any) -> Any:
-    """Qwen2-VL's processor (the class the edit pipelines declare) of ``image_processor`` and ``tokenizer`` without its video
-    processor: transformers 5 makes that one with torchvision, which this project does not
-    install (DESIGN.md), and the edit pipelines pass images only. Its ``save_pretrained``
-    writes the image processor and the tokenizer, which ``load_components`` reads back."""
-    from unittest import mock
-
-    from transformers import Qwen2VLProcessor
-
-    # the class check resolves the video processor's class, which imports torchvision
-    with mock.patch.object(
-        Qwen2VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None
-    ):
-        proc = Qwen2VLProcessor(
-            image_processor=image_processor, tokenizer=tokenizer, video_processor=None
-        )
-
-    def save_pretrained(folder: Any, **kwargs: Any) -> None:
-        image_processor.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
-    proc.save_pretrained = save_pretrained  # diffusers' save_pretrained calls this
-    return proc
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
@@ -98,19 +73,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def load_components(cls, root: Any) -> dict[str, Any]:
         """The ``processor`` built from the folder's image processor and tokenizer files
         (``vl_processor``): loading it whole needs torchvision for its video part."""
-        from pathlib import Path
+        from transformers import Qwen2VLProcessor
 
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
-        folder = Path(root) / "processor"
-        if not folder.is_dir():
-            return {}
-        image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        return {"processor": vl_processor(image_processor, tokenizer)}
+        return load_vl_processor(root, Qwen2VLProcessor)
 
     @classmethod
     def token_counts(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,6 +65,17 @@ def of(family: str) -> tuple[str, ...]:
     return kinds(lambda f: f.pipeline_class in families()[family])
 
 
+def rows_setting() -> str:
+    """``FLOWGRPO_TEST_ROWS``, the one setting of how many family rows the tests run: "all"
+    (every family in every cross-product, once, when a family or an algorithm is added),
+    "core" (``make test-fast``: the per-family tests on the "core" tier only, the other tiers'
+    rows marked ``slow``), or "" (``make test``, CI: as the tiers say)."""
+    value = os.environ.get("FLOWGRPO_TEST_ROWS", "")
+    if value not in ("", "all", "core"):
+        raise ValueError(f"FLOWGRPO_TEST_ROWS must be all, core or unset, got {value!r}")
+    return value
+
+
 def core(fam: Family | str) -> bool:
     """Whether ``fam`` (a family or a kind) runs the cross-products CI time cannot afford for
     every family (every algorithm x LoRA/full): its tier is "core"."""
@@ -73,12 +85,15 @@ def core(fam: Family | str) -> bool:
 def params(fams: Iterable[Family | str], marks: Iterable[Any] = ()) -> list[Any]:
     """``fams`` (families or kinds) as pytest parameters with the kind as id; the families of
     the "slow" tier carry ``pytest.mark.slow`` (``make test-fast`` skips them, ``make test``
-    runs them). With ``core``, the one place a cost tier chooses a CI subset."""
+    runs them), and with ``FLOWGRPO_TEST_ROWS=core`` (``make test-fast``) every family but the
+    "core" tier's. With ``core``, the one place a cost tier chooses a CI subset."""
     import pytest
 
+    only_core = rows_setting() == "core"
     out = []
     for fam in fams:
         f = double(fam) if isinstance(fam, str) else fam
-        tier = [pytest.mark.slow] if f.tier == "slow" else []
+        slow = f.tier == "slow" or (only_core and f.tier != "core")
+        tier = [pytest.mark.slow] if slow else []
         out.append(pytest.param(fam, id=f.kind, marks=[*tier, *marks]))
     return out

@@ -57,16 +57,13 @@ _QWEN3_VL_CHAT_TEMPLATE = (  # Qwen3-VL's template, text parts only (what the pi
 def _qwen3_vl_processor():
     """Qwen3-VL processor: the Qwen BPE (trained in code) with the vision special tokens.
 
-    Without its video processor (which needs torchvision): text-to-image never reads it.
+    Without its video processor (which needs torchvision): text-to-image never reads it
+    (``flowgrpo.models.qwen_image.vl_processor``, as the adapter loads it).
     """
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
 
-    class Qwen3VLProcessorNoVideo(Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
+    from flowgrpo.models.qwen_image import vl_processor
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -82,12 +79,8 @@ def _qwen3_vl_processor():
         extra_special_tokens=specials[1:] + vision,
         model_max_length=32768,
     )
-    return Qwen3VLProcessorNoVideo(
-        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2),
-        tokenizer=tok,
-        video_processor=None,
-        chat_template=_QWEN3_VL_CHAT_TEMPLATE,
-    )
+    image_processor = Qwen2VLImageProcessor(patch_size=16, merge_size=2)
+    return vl_processor(image_processor, tok, Qwen3VLProcessor, _QWEN3_VL_CHAT_TEMPLATE)
 
 
 def build(tcfg: dict[str, Any], seeds) -> Any:
