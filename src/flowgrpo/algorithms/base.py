@@ -81,6 +81,10 @@ class Algorithm(ABC):
     #: it trains on the SDE rollout's per-step log-probs, so it can take branching rollouts
     #: (``sample.branching``: one advantage per tree edge)
     supports_branching: ClassVar[bool] = False
+    #: why its update would be wrong on a one-step-off-policy rollout
+    #: (``trainer.off_policy_steps=1``: sampled by the weights before the previous update),
+    #: or None when it is right as is (each algorithm says why in its docstring)
+    off_policy_refusal: ClassVar[str | None] = "its update has not been checked off-policy"
 
     def __init__(self, cfg: Any, engine: Any, adapter: Any) -> None:
         self.cfg, self.engine, self.adapter = cfg, engine, adapter

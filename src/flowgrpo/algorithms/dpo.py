@@ -193,6 +193,11 @@ class DPOConfig:
 
 
 class DPO(Algorithm):
+    #: off-policy rollouts (``trainer.off_policy_steps=1``) are right as is: Diffusion-DPO has
+    #: no importance ratio; it contrasts the policy with the frozen reference on preference
+    #: pairs, whoever sampled them (its offline form trains on a fixed data set), and the
+    #: authors' rollouts already come from another policy (the reference).
+    off_policy_refusal = None
     name = "dpo"
     settings_class = DPOConfig
     shadows = (SHADOW,)  # used by a full fine-tune with rollout_policy=reference
