@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,15 +42,20 @@ def run_steps(engine: OneParamEngine, off: OffPolicy, first: int, last: int) -> 
     """Steps first..last of the loop's order: take, prefetch, update. Each 'rollout' records
     the weight that sampled it."""
 
-    def sample(step):
-        return {"step": step, "w": float(engine.params[0].detach())}, None, 0.0
+    def sample(run, step):
+        return {"step": step, "w": float(run.weight().detach())}, None, 0.0
 
+    run = SimpleNamespace(
+        algorithm=SimpleNamespace(rollout_weights=contextlib.nullcontext),
+        weight=lambda: engine.params[0],
+    )
     out = []
     for step in range(first, last + 1):
-        got = off.take(step, sample, contextlib.nullcontext)
+        got = off.take(step, run, sample)
         out.append((step, got.trajectory["w"], got.staleness))
-        off.prefetch(step, last, sample, contextlib.nullcontext)
+        off.prefetch(step, last, run, sample)
         engine.update()
+        off.join()
     return out
 
 
@@ -61,6 +67,27 @@ def test_the_schedule_samples_with_the_weights_before_the_previous_update():
     assert not on.shadows  # on-policy keeps no copy
     off = OneParamEngine()
     assert run_steps(off, OffPolicy(off, 1), 1, 4) == [(1, 0, 0), (2, 0, 1), (3, 1, 1), (4, 2, 1)]
+
+
+class OneParamCopy:
+    """``PolicyCopy``'s API over a second scalar: the overlapped rollout samples with it."""
+
+    def __init__(self) -> None:
+        self.param = torch.zeros(())
+
+    def load(self, values: list[torch.Tensor]) -> None:
+        self.param.copy_(values[0])
+
+    def view(self, run):
+        return SimpleNamespace(algorithm=run.algorithm, weight=lambda: self.param)
+
+
+def test_the_overlapped_schedule_samples_what_the_sequential_one_does():
+    """The thread samples with the copy, loaded with the pre-update weights: the same
+    (step, weight, staleness) rows while the live weight moves on."""
+    eng = OneParamEngine()
+    rows = run_steps(eng, OffPolicy(eng, 1, OneParamCopy()), 1, 4)
+    assert rows == [(1, 0, 0), (2, 0, 1), (3, 1, 1), (4, 2, 1)]
 
 
 def test_a_resume_samples_with_the_saved_behaviour_policy():
@@ -76,7 +103,7 @@ def test_a_resume_samples_with_the_saved_behaviour_policy():
     with torch.no_grad():
         resumed.params[0].copy_(eng.params[0])
     assert run_steps(resumed, r_off, 3, 4) == [(3, 1, 1), (4, 2, 1)]
-    assert float(resumed.params[0]) == 4.0  # the live weights came back after the swap
+    assert float(resumed.params[0].detach()) == 4.0  # the live weights came back after the swap
 
 
 def test_off_policy_steps_other_than_0_or_1_are_refused_by_the_class():
@@ -99,6 +126,16 @@ def test_off_policy_steps_other_than_0_or_1_are_refused_by_the_class():
         (
             ["trainer.off_policy_steps=1", "sample.refill_rounds=1"],
             ["trainer.off_policy_steps", "sample.refill_rounds"],
+        ),
+        (["trainer.off_policy_overlap=true"], ["trainer.off_policy_overlap", "off_policy_steps=0"]),
+        (
+            [
+                "trainer.off_policy_steps=1",
+                "trainer.off_policy_overlap=true",
+                "algorithm=dpo",
+                "lora.enabled=true",
+            ],
+            ["trainer.off_policy_overlap", "algorithm=dpo"],
         ),
     ],
 )
@@ -180,6 +217,22 @@ def test_staleness_and_the_ratio_at_staleness_1(runs):
 
 
 @pytest.mark.slow  # trains end to end
+def test_the_overlapped_schedule_is_the_sequential_one(runs, tmp_path):
+    """``trainer.off_policy_overlap``: the next rollout sampled in a thread on a copy of the
+    model gives the sequential schedule's metrics bit for bit (and its rollout times)."""
+    out = tmp_path / "overlap"
+    train(
+        out, "trainer.max_steps=3", "trainer.off_policy_steps=1", "trainer.off_policy_overlap=true"
+    )
+    a, b = read_jsonl(runs["off"] / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [deterministic_view(r) for r in a] == [deterministic_view(r) for r in b]
+    assert ["time/overlapped_rollout_s" in r for r in b] == [True, True, False]
+    wa = _weights(runs["off"] / "checkpoints" / "step_3")["model"]
+    wb = _weights(out / "checkpoints" / "step_3")["model"]
+    assert all(torch.equal(v, wb[k]) for k, v in wa.items())
+
+
+@pytest.mark.slow  # trains end to end
 def test_step_2_is_sampled_by_the_initial_weights(runs):
     """Off-policy step 2's rollout (its rewards) is the one a run that does not move its
     weights (lr 1e-30: the optimizer is positive-only) makes at step 2, and not the on-policy
@@ -238,3 +291,29 @@ def test_two_ranks_match_one_process(runs, tmp_path):
     for r, s in zip(rows, ref, strict=True):
         for k in ("reward_mean", "reward/digits_std", "train/grad_norm", "train/approx_kl_k2"):
             assert r[k] == pytest.approx(s[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.slow  # trains end to end
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["algorithm=nft"],  # its old policy samples: the behaviour copy is the old one's
+        ["algorithm=dpo"],  # the reference samples (full fine-tune: swapped in)
+        ["ema.enabled=true", "sample.use_ema_for_rollout=true"],  # the EMA samples
+    ],
+    ids=["nft", "dpo", "ema_rollouts"],
+)
+def test_resume_is_bit_exact_whichever_weights_sample(extra, tmp_path):
+    """The behaviour copy is what ``rollout_weights`` put in the model: a resume after step 2
+    samples step 3 as the straight run did, for the old policy, the reference and the EMA."""
+    common = ["trainer.max_steps=3", "trainer.off_policy_steps=1", *extra]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, *common)
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_3")
+    lines = (straight / "metrics.jsonl").read_text().splitlines(True)[:2]
+    (resumed / "metrics.jsonl").write_text("".join(lines))
+    assert train(resumed, *common, "resume=auto")["resumed_from"].endswith("step_2")
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [r["train/staleness"] for r in b] == [0.0, 1.0, 1.0]
+    assert [deterministic_view(r) for r in a] == [deterministic_view(r) for r in b]

@@ -457,6 +457,12 @@ class TrainerConfig:
         "t; 0 = on-policy. Staleness is bounded to 1 (docs/algorithms.md).",
         check=one_of(0, 1),
     )
+    off_policy_overlap: bool = setting(
+        False,
+        "With off_policy_steps=1: sample the next step in a thread, on a second copy of the "
+        "model, while this step trains (one process only; the same math as the sequential "
+        "schedule; measured in docs/algorithms.md).",
+    )
     log_every: int = setting(
         1,
         "Without the progress bar, print a line every N steps; tensorboard / wandb get the "
@@ -733,12 +739,32 @@ class Config:
                 f"0 with algorithm={self.algorithm} ({refusal})",
                 self.trainer.off_policy_steps,
             )
+            overlap = self.trainer.off_policy_overlap
+            need(
+                not (
+                    overlap
+                    and self.algorithm == "dpo"
+                    and self.dpo.rollout_policy == "reference"
+                    and self.lora.enabled
+                ),
+                "trainer.off_policy_overlap",
+                "false with algorithm=dpo, LoRA and dpo.rollout_policy=reference (the reference "
+                "rollouts switch the LoRA off in the trained model, which the copy does not see)",
+                overlap,
+            )
             need(
                 self.sample.refill_rounds == 0,
                 "trainer.off_policy_steps",
                 "0 with sample.refill_rounds > 0 (refill's extra rollouts would come from the "
                 "live weights, the step's from the behaviour policy: one batch, two policies)",
                 self.trainer.off_policy_steps,
+            )
+        else:
+            need(
+                not self.trainer.off_policy_overlap,
+                "trainer.off_policy_overlap",
+                "false with trainer.off_policy_steps=0 (nothing to overlap)",
+                self.trainer.off_policy_overlap,
             )
         algorithm_class(self.algorithm).check_config(self)  # what the algorithm cannot honour
 

@@ -300,7 +300,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     plan = run.rollout_plan(step)
     # rollout and rewards: sampled now, or (off-policy) during the previous step
     off_policy = run.off_policy  # trainer/off_policy.py
-    sampled = off_policy.take(step, lambda s: sample_step(run, s), run.algorithm.rollout_weights)
+    sampled = off_policy.take(step, run, sample_step)
     traj, local = sampled.trajectory, sampled.rewards
     reward_s = sampled.reward_s if sampled.now else 0.0  # a prefetched one: timed when sampled
     rewards = gather_rewards(run, local)
@@ -320,15 +320,15 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     combined = run.algorithm.advantages(rewards, run.reward.weights_of(rewards), group_ids)
     advantages = combined.advantages[positions].to(dist.device)
     # off-policy: step + 1's rollout, sampled by the weights before this update
-    ahead = off_policy.prefetch(
-        step, cfg.trainer.max_steps, lambda s: sample_step(run, s), run.algorithm.rollout_weights
-    )
+    ahead = off_policy.prefetch(step, cfg.trainer.max_steps, run, sample_step)
     ahead_s, ahead_reward_s = (0.0, 0.0) if ahead is None else (ahead.wall_s, ahead.reward_s)
     # update
     train_metrics = {}
     if plan.train:  # MixGRPO's empty window trains nothing
         seeds = [sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
+    t_update = time.perf_counter()
+    beside = off_policy.join()  # overlapped: the next step's rollout, sampled beside the update
     t3, cpu3 = time.perf_counter(), time.process_time()
     memory = all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
     if not bool(combined.advantages.any()):  # every group's rewards were equal
@@ -346,7 +346,8 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         "train/staleness": float(sampled.staleness),  # updates the sampling weights lag
         "time/rollout_s": t2 - t0 - reward_s + ahead_s - ahead_reward_s,  # next step's too
         "time/reward_s": reward_s + ahead_reward_s,
-        "time/train_s": t3 - t2 - ahead_s,
+        "time/train_s": t_update - t2 - ahead_s,
+        **({"time/overlapped_rollout_s": beside} if beside else {}),  # its wall, reward included
         "time/step_s": t3 - t0,
         "time/step_cpu_s": cpu3 - cpu0,  # this process's CPU time: fair on a shared machine
         "images_per_s": len(indices) / max(t3 - t0, 1e-9),
