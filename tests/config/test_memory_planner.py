@@ -518,3 +518,8 @@ def test_off_policy_counts_the_behaviour_copy_and_a_second_rollout():
     lora = on.parts["grads"] / 4  # the trained (LoRA) params' count per GPU: grads are fp32
     assert off.parts["EMA"] - on.parts["EMA"] == pytest.approx(4 * lora)
     assert off.parts["trajectories"] == pytest.approx(2 * on.parts["trajectories"])
+    assert "off-policy model copy" not in off.parts
+    over = [*qwen, "trainer.off_policy_steps=1", "trainer.off_policy_overlap=true"]
+    copy = plan_memory(load_config("qwen-image-ocr", over, check_paths=False), 1, 80)
+    parts = ("trained weights", "frozen text encoders", "frozen VAE etc.")
+    assert copy.parts["off-policy model copy"] == pytest.approx(sum(copy.parts[k] for k in parts))

@@ -28,7 +28,8 @@ fsdp.replicate_degree ranks:
 - the rollout: this rank's trajectories (fp32 latents of the trained steps, which the
   algorithm says: ``Algorithm.trained_steps``), the no-grad forward of ``rollout_batch_size``,
   the VAE decode of one chunk (``vae_decode_peak``) and its decoded images; twice the
-  trajectories with ``trainer.off_policy_steps=1`` (the next step's is held while one trains).
+  trajectories with ``trainer.off_policy_steps=1`` (the next step's is held while one trains),
+  and with ``trainer.off_policy_overlap`` a second pipeline (the copy that samples beside).
 
 The phases' peaks: ``prompt encoding`` (with the embedding cache: the weights and the text
 encoders, before the optimizer exists), ``rollout`` and ``training``; the total is the
@@ -353,6 +354,9 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
         parts["CUDA context, cuBLAS, NCCL"] = mib * 2**20
     else:
         parts["CUDA context, cuBLAS, NCCL"] = 0.0
+    if off_policy and cfg.trainer.off_policy_overlap:  # a second pipeline samples beside
+        copied = ("trained weights", "frozen text encoders", "frozen VAE etc.")
+        parts["off-policy model copy"] = sum(parts[k] for k in copied)
     persistent = sum(parts.values())
 
     tokens = adapter_cls.token_counts(configs, m.height, m.width, options)
