@@ -146,6 +146,16 @@ def test_config_refuses_what_off_policy_cannot_serve(overrides, words):
     assert "\n" not in line and all(w in line for w in words), line
 
 
+def test_the_overlap_is_refused_with_more_than_one_process():
+    from flowgrpo.config.checks import check_world
+
+    over = ["trainer.off_policy_steps=1", "trainer.off_policy_overlap=true"]
+    cfg = load_config("toy-digits", over, check_paths=False)
+    check_world(cfg, 1)
+    with pytest.raises(ConfigError, match=r"'trainer.off_policy_overlap' must be false with w"):
+        check_world(cfg, 2)
+
+
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "nft"])
 def test_config_takes_off_policy_for_ratio_and_ratio_free_algorithms(algorithm):
     cfg = load_config(
