@@ -96,6 +96,13 @@ class Algorithm(ABC):
         otherwise ignore or cannot run; called by ``Config.check`` before anything loads."""
         return None
 
+    @classmethod
+    def overlap_refusal(cls, cfg: Any) -> str | None:
+        """Why its rollouts cannot sample on a copy of the model (``trainer.
+        off_policy_overlap``: the copy gets the trained params that ``rollout_weights`` puts
+        in the model), or None: they can (the live weights, the EMA, a shadow swapped in)."""
+        return None
+
     @staticmethod
     def needs_reference(settings: Any) -> bool:
         """Whether the update reads a reference policy (a KL term): a full fine-tune then keeps

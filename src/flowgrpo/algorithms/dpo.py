@@ -241,6 +241,17 @@ class DPO(Algorithm):
         combined = super().advantages(rewards, weights, group_ids)
         return CombinedRewards(combined.reward, dpo_pairs(combined.reward, group_ids))
 
+    @classmethod
+    def overlap_refusal(cls, cfg) -> str | None:
+        """LoRA reference rollouts switch the LoRA off in the trained model (a flag, not
+        param values): a copy of the model would not see it."""
+        if cfg.dpo.rollout_policy == "reference" and cfg.lora.enabled:
+            return (
+                "with LoRA its reference rollouts switch the LoRA off in the trained model, "
+                "which the copy does not see; dpo.rollout_policy=policy can overlap"
+            )
+        return None
+
     def rollout_weights(self) -> contextlib.AbstractContextManager:
         """``reference``: the reference samples (LoRA disabled, or the initial weights swapped
         in); ``policy``: the live weights (or their EMA with ``sample.use_ema_for_rollout``)."""

@@ -740,16 +740,11 @@ class Config:
                 self.trainer.off_policy_steps,
             )
             overlap = self.trainer.off_policy_overlap
+            refusal = algorithm_class(self.algorithm).overlap_refusal(self) if overlap else None
             need(
-                not (
-                    overlap
-                    and self.algorithm == "dpo"
-                    and self.dpo.rollout_policy == "reference"
-                    and self.lora.enabled
-                ),
+                refusal is None,
                 "trainer.off_policy_overlap",
-                "false with algorithm=dpo, LoRA and dpo.rollout_policy=reference (the reference "
-                "rollouts switch the LoRA off in the trained model, which the copy does not see)",
+                f"false with algorithm={self.algorithm} ({refusal})",
                 overlap,
             )
             need(
