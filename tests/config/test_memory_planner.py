@@ -506,3 +506,20 @@ def test_hunyuan_sets_say_their_own_resolution():
     assert any("generates 720x1280 x 121 frames" in n and "480x480 x 5 frames" in n for n in notes)
     cfg = load_config("hunyuan-video15-pickscore", HUNYUAN_720, check_paths=False)
     assert not any("generates" in n for n in plan_memory(cfg, 8, 80).notes)
+
+
+def test_off_policy_counts_the_behaviour_copy_and_a_second_rollout():
+    """``trainer.off_policy_steps=1``: one more fp32 shadow of the trained params (the
+    behaviour policy) and the next step's trajectories held while one trains."""
+    qwen = ["model.path=known:qwen-image"]
+    on = plan_memory(load_config("qwen-image-ocr", qwen, check_paths=False), 8, 80)
+    cfg = load_config("qwen-image-ocr", [*qwen, "trainer.off_policy_steps=1"], check_paths=False)
+    off = plan_memory(cfg, 8, 80)
+    lora = on.parts["grads"] / 4  # the trained (LoRA) params' count per GPU: grads are fp32
+    assert off.parts["EMA"] - on.parts["EMA"] == pytest.approx(4 * lora)
+    assert off.parts["trajectories"] == pytest.approx(2 * on.parts["trajectories"])
+    assert "off-policy model copy" not in off.parts
+    over = [*qwen, "trainer.off_policy_steps=1", "trainer.off_policy_overlap=true"]
+    copy = plan_memory(load_config("qwen-image-ocr", over, check_paths=False), 1, 80)
+    parts = ("trained weights", "frozen text encoders", "frozen VAE etc.")
+    assert copy.parts["off-policy model copy"] == pytest.approx(sum(copy.parts[k] for k in parts))

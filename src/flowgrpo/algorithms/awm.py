@@ -284,6 +284,14 @@ class AWMConfig:
 
 
 class AWM(Algorithm):
+    #: refused: its "old" log p is recomputed from the live weights before the update (or
+    #: taken equal to the new one), i.e. it assumes the rollout was made by them; its log p is
+    #: a flow-matching error, not the sampler's density, so no behaviour log-prob is recorded
+    #: to correct a lagging rollout with
+    off_policy_refusal = (
+        "its ratio's old log p is recomputed from the live weights: it assumes an on-policy "
+        "rollout and the sampler records no log p of its own"
+    )
     name = "awm"
     settings_class = AWMConfig
     shadows = (SHADOW,)  # the EMA policy of the KL-EMA term

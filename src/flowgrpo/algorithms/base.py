@@ -81,6 +81,10 @@ class Algorithm(ABC):
     #: it trains on the SDE rollout's per-step log-probs, so it can take branching rollouts
     #: (``sample.branching``: one advantage per tree edge)
     supports_branching: ClassVar[bool] = False
+    #: why its update would be wrong on a one-step-off-policy rollout
+    #: (``trainer.off_policy_steps=1``: sampled by the weights before the previous update),
+    #: or None when it is right as is (each algorithm says why in its docstring)
+    off_policy_refusal: ClassVar[str | None] = "its update has not been checked off-policy"
 
     def __init__(self, cfg: Any, engine: Any, adapter: Any) -> None:
         self.cfg, self.engine, self.adapter = cfg, engine, adapter
@@ -90,6 +94,13 @@ class Algorithm(ABC):
     def check_config(cls, cfg: Any) -> None:
         """Refuse (one-line ConfigError) settings of the whole config that this algorithm would
         otherwise ignore or cannot run; called by ``Config.check`` before anything loads."""
+        return None
+
+    @classmethod
+    def overlap_refusal(cls, cfg: Any) -> str | None:
+        """Why its rollouts cannot sample on a copy of the model (``trainer.
+        off_policy_overlap``: the copy gets the trained params that ``rollout_weights`` puts
+        in the model), or None: they can (the live weights, the EMA, a shadow swapped in)."""
         return None
 
     @staticmethod

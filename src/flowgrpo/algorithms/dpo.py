@@ -193,6 +193,11 @@ class DPOConfig:
 
 
 class DPO(Algorithm):
+    #: off-policy rollouts (``trainer.off_policy_steps=1``) are right as is: Diffusion-DPO has
+    #: no importance ratio; it contrasts the policy with the frozen reference on preference
+    #: pairs, whoever sampled them (its offline form trains on a fixed data set), and the
+    #: authors' rollouts already come from another policy (the reference).
+    off_policy_refusal = None
     name = "dpo"
     settings_class = DPOConfig
     shadows = (SHADOW,)  # used by a full fine-tune with rollout_policy=reference
@@ -235,6 +240,17 @@ class DPO(Algorithm):
         -1 loser, 0 not trained."""
         combined = super().advantages(rewards, weights, group_ids)
         return CombinedRewards(combined.reward, dpo_pairs(combined.reward, group_ids))
+
+    @classmethod
+    def overlap_refusal(cls, cfg) -> str | None:
+        """LoRA reference rollouts switch the LoRA off in the trained model (a flag, not
+        param values): a copy of the model would not see it."""
+        if cfg.dpo.rollout_policy == "reference" and cfg.lora.enabled:
+            return (
+                "with LoRA its reference rollouts switch the LoRA off in the trained model, "
+                "which the copy does not see; dpo.rollout_policy=policy can overlap"
+            )
+        return None
 
     def rollout_weights(self) -> contextlib.AbstractContextManager:
         """``reference``: the reference samples (LoRA disabled, or the initial weights swapped

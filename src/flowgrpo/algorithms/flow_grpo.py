@@ -66,6 +66,13 @@ class FlowGRPO(Algorithm):
     #: subclass whose ratio or KL is the 'sde' step's sets it: the rule lives here once)
     uses_step_means: ClassVar[bool] = False
     supports_branching = True
+    #: off-policy rollouts (``trainer.off_policy_steps=1``) are right as is: the ratio is taken
+    #: against the log-probs the rollout recorded, i.e. the behaviour policy's, so it is the
+    #: importance weight of the samples whoever drew them (the clip bounds it); the subclasses
+    #: (mix_grpo, grpo_guard, flow_dppo) take their ratios against the same recorded log-probs,
+    #: and the step means they record (``record_means``: Flow-DPPO's KL trust region) are the
+    #: behaviour policy's too
+    off_policy_refusal = None
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -263,6 +263,12 @@ class DiffusionNFT(Algorithm):
     name = "nft"
     settings_class = NFTConfig
     shadows = (SHADOW,)  # the old policy
+    #: off-policy rollouts (``trainer.off_policy_steps=1``) are right as is: the loss has no
+    #: importance ratio and reads nothing of the sampler but the clean x0 and their rewards; it
+    #: is defined around the old policy as it is at training time, whichever policy drew x0
+    #: (the authors' sampling policy already lags the trained one: the decayed old policy).
+    #: The behaviour policy is the old policy before the previous update.
+    off_policy_refusal = None
 
     @classmethod
     def check_config(cls, cfg) -> None:

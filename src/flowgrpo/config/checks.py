@@ -164,8 +164,9 @@ def _check_sp_declared(adapter: Any, pipeline: str, index: dict[str, Any]) -> No
 
 def check_world(cfg: Any, world_size: int, label: str = "world size") -> None:
     """``world_size`` ranks against ``fsdp.replicate_degree`` x ``fsdp.sp_degree`` and the
-    step's global batch (each data-parallel rank takes an equal share); ``label`` names the
-    count in the error (the planner's ``--gpus``)."""
+    step's global batch (each data-parallel rank takes an equal share), and
+    ``trainer.off_policy_overlap`` (one process only); ``label`` names the count in the error
+    (the planner's ``--gpus``)."""
     from flowgrpo.data.prompts import check_divides
     from flowgrpo.engine.config import parallel_layout
 
@@ -175,6 +176,12 @@ def check_world(cfg: Any, world_size: int, label: str = "world size") -> None:
         check_divides(cfg.sample.prompts_per_step * cfg.sample.group_size, layout.dp)
     except ValueError as e:
         raise ConfigError(str(e).replace(f"world size {world_size}", label)) from None
+    if cfg.trainer.off_policy_overlap and world_size > 1:
+        raise ConfigError(
+            f"config key 'trainer.off_policy_overlap' must be false with {label} "
+            "(the copy's collectives would run beside the update's); the sequential schedule "
+            "is the same math"
+        )
 
 
 def check_prompt_cache(edits: bool, embed_cache_dir: Any) -> None:

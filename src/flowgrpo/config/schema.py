@@ -450,6 +450,19 @@ class TrainerConfig:
         "Resume even though run-defining settings (reward, algorithm and its section, model, "
         "sampling, LoRA, ...: docs/training.md) differ from the checkpoint's `config.yaml`.",
     )
+    off_policy_steps: int = setting(
+        0,
+        "One-step-off-policy rollout: 1 = step t+1's rollout is sampled by the weights before "
+        "update t (the behaviour policy), its log-probs recorded, so that it can overlap update "
+        "t; 0 = on-policy. Staleness is bounded to 1 (docs/algorithms.md).",
+        check=one_of(0, 1),
+    )
+    off_policy_overlap: bool = setting(
+        False,
+        "With off_policy_steps=1: sample the next step in a thread, on a second copy of the "
+        "model, while this step trains (one process only; the same math as the sequential "
+        "schedule; measured in docs/algorithms.md).",
+    )
     log_every: int = setting(
         1,
         "Without the progress bar, print a line every N steps; tensorboard / wandb get the "
@@ -723,6 +736,36 @@ class Config:
                 f"[] with algorithm={self.algorithm} (branching needs an SDE-rollout algorithm: "
                 f"{names})",
                 self.sample.branching.split_steps,
+            )
+        if self.trainer.off_policy_steps:  # what an off-policy rollout cannot serve
+            refusal = algorithm_class(self.algorithm).off_policy_refusal
+            need(
+                refusal is None,
+                "trainer.off_policy_steps",
+                f"0 with algorithm={self.algorithm} ({refusal})",
+                self.trainer.off_policy_steps,
+            )
+            overlap = self.trainer.off_policy_overlap
+            refusal = algorithm_class(self.algorithm).overlap_refusal(self) if overlap else None
+            need(
+                refusal is None,
+                "trainer.off_policy_overlap",
+                f"false with algorithm={self.algorithm} ({refusal})",
+                overlap,
+            )
+            need(
+                self.sample.refill_rounds == 0,
+                "trainer.off_policy_steps",
+                "0 with sample.refill_rounds > 0 (refill's extra rollouts would come from the "
+                "live weights, the step's from the behaviour policy: one batch, two policies)",
+                self.trainer.off_policy_steps,
+            )
+        else:
+            need(
+                not self.trainer.off_policy_overlap,
+                "trainer.off_policy_overlap",
+                "false with trainer.off_policy_steps=0 (nothing to overlap)",
+                self.trainer.off_policy_overlap,
             )
         algorithm_class(self.algorithm).check_config(self)  # what the algorithm cannot honour
 

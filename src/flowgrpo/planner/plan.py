@@ -12,7 +12,8 @@ fsdp.replicate_degree ranks:
 - grads (fp32, 4 B / S) and AdamW's two moments (8 B / S) of the trained parameters;
 - reference: a full fine-tune whose algorithm has a KL term keeps the initial weights in the
   compute dtype; LoRA's reference is the adapter switched off (0);
-- EMA (and DiffusionNFT's old policy): fp32 shadows of the trained parameters (4 B / S each);
+- EMA (and DiffusionNFT's old policy, the off-policy behaviour policy): fp32 shadows of the
+  trained parameters (4 B / S each);
 - FSDP's gathered blocks: the two largest blocks unsharded (the one running, the one
   prefetched);
 - frozen components: the text encoders (0 once every prompt is in the embedding cache and
@@ -26,7 +27,9 @@ fsdp.replicate_degree ranks:
   (``ACT_PER_WIDTH``), plus ``FRAGMENTATION`` of them on a GPU;
 - the rollout: this rank's trajectories (fp32 latents of the trained steps, which the
   algorithm says: ``Algorithm.trained_steps``), the no-grad forward of ``rollout_batch_size``,
-  the VAE decode of one chunk (``vae_decode_peak``) and its decoded images.
+  the VAE decode of one chunk (``vae_decode_peak``) and its decoded images; twice the
+  trajectories with ``trainer.off_policy_steps=1`` (the next step's is held while one trains),
+  and with ``trainer.off_policy_overlap`` a second pipeline (the copy that samples beside).
 
 The phases' peaks: ``prompt encoding`` (with the embedding cache: the weights and the text
 encoders, before the optimizer exists), ``rollout`` and ``training``; the total is the
@@ -322,7 +325,9 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     parts["grads"] = state * n_train * 4 / shard
     parts["optimizer"] = state * n_train * 8 / shard
     parts["reference"] = state * (n_params * cbytes / shard if reference and not lora else 0)
-    shadows = int(cfg.ema.enabled) + len(algo_cls.shadows)
+    # trainer.off_policy_steps=1 keeps the behaviour policy's params (trainer/off_policy.py)
+    off_policy = int(cfg.trainer.off_policy_steps > 0)
+    shadows = int(cfg.ema.enabled) + len(algo_cls.shadows) + off_policy
     parts["EMA"] = state * shadows * n_train * 4 / shard
     # unsharded while a block runs: its params and the next one's (prefetch) in the compute
     # dtype (a quantized base gathers its quantized bytes), and in backward a block's
@@ -349,6 +354,9 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
         parts["CUDA context, cuBLAS, NCCL"] = mib * 2**20
     else:
         parts["CUDA context, cuBLAS, NCCL"] = 0.0
+    if off_policy and cfg.trainer.off_policy_overlap:  # a second pipeline samples beside
+        copied = ("trained weights", "frozen text encoders", "frozen VAE etc.")
+        parts["off-policy model copy"] = sum(parts[k] for k in copied)
     persistent = sum(parts.values())
 
     tokens = adapter_cls.token_counts(configs, m.height, m.width, options)
@@ -413,9 +421,10 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     decode = decode_chunk * vae_decode_peak(
         configs.get("vae", {}), m.height, m.width, frames, vbytes, tiling=m.vae_tiling
     )
-    parts["trajectories"] = local * per_sample
+    # off-policy: the next step's rollout is held while this one trains (two rollouts alive)
+    parts["trajectories"] = local * per_sample * (1 + off_policy)
     if device == "cpu":  # the host is the device: the decoded images count
-        parts["trajectories"] += local * image
+        parts["trajectories"] += local * image * (1 + off_policy)
     else:
         parts["(host: decoded images)"] = local * image
     parts["(rollout forward)"] = rollout_act

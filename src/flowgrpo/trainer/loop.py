@@ -294,18 +294,15 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(dist.device)
     t0, cpu0 = time.perf_counter(), time.process_time()
     # the step's samples (all ranks, groups of K) and this rank's share
-    indices, groups = run.sampler.global_step_samples(step - 1)
-    start, count = rank_slice(len(indices), run.engine.dp_size, run.engine.dp_rank)
+    indices, groups, start, count = step_draw(run, step)
     mine = list(range(start, start + count))  # this rank's global sample numbers
     prompts, metadata = run.train_data.select(indices[start : start + count])
-    locations = [run.train_data.locations[i] for i in indices[start : start + count]]
-    mine_groups = groups[start : start + count]
-    # rollout and rewards
     plan = run.rollout_plan(step)
-    with run.algorithm.rollout_weights():
-        traj, local, reward_s = rollout_and_score(
-            run, plan, prompts, metadata, mine, step, locations, mine_groups
-        )
+    # rollout and rewards: sampled now, or (off-policy) during the previous step
+    off_policy = run.off_policy  # trainer/off_policy.py
+    sampled = off_policy.take(step, run, sample_step)
+    traj, local = sampled.trajectory, sampled.rewards
+    reward_s = sampled.reward_s if sampled.now else 0.0  # a prefetched one: timed when sampled
     rewards = gather_rewards(run, local)
     rewards.update(pairwise_rewards(run, traj.images, prompts, metadata, groups))  # win rates
     group_ids, positions, refilled = torch.tensor(groups), torch.arange(start, start + count), {}
@@ -322,11 +319,16 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     # advantages, on the global batch; this rank's samples of it
     combined = run.algorithm.advantages(rewards, run.reward.weights_of(rewards), group_ids)
     advantages = combined.advantages[positions].to(dist.device)
+    # off-policy: step + 1's rollout, sampled by the weights before this update
+    ahead = off_policy.prefetch(step, cfg.trainer.max_steps, run, sample_step)
+    ahead_s, ahead_reward_s = (0.0, 0.0) if ahead is None else (ahead.wall_s, ahead.reward_s)
     # update
     train_metrics = {}
     if plan.train:  # MixGRPO's empty window trains nothing
         seeds = [sample_seed(cfg.seed, step, i) for i in mine]
         train_metrics = run.algorithm.update(traj, advantages, step=step, sample_seeds=seeds)
+    t_update = time.perf_counter()
+    beside = off_policy.join()  # overlapped: the next step's rollout, sampled beside the update
     t3, cpu3 = time.perf_counter(), time.process_time()
     memory = all_gather_object(peak_memory(dist.device))  # the fullest rank's figures
     if not bool(combined.advantages.any()):  # every group's rewards were equal
@@ -341,15 +343,38 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         "advantage_abs_mean": float(combined.advantages.abs().mean()),
         **refilled,
         **{f"train/{k}": float(v) for k, v in train_metrics.items()},
-        "time/rollout_s": t2 - t0 - reward_s,
-        "time/reward_s": reward_s,
-        "time/train_s": t3 - t2,
+        "train/staleness": float(sampled.staleness),  # updates the sampling weights lag
+        "time/rollout_s": t2 - t0 - reward_s + ahead_s - ahead_reward_s,  # next step's too
+        "time/reward_s": reward_s + ahead_reward_s,
+        "time/train_s": t_update - t2 - ahead_s,
+        **({"time/overlapped_rollout_s": beside} if beside else {}),  # its wall, reward included
         "time/step_s": t3 - t0,
         "time/step_cpu_s": cpu3 - cpu0,  # this process's CPU time: fair on a shared machine
         "images_per_s": len(indices) / max(t3 - t0, 1e-9),
         "images_per_s_per_gpu": len(indices) / max(t3 - t0, 1e-9) / dist.world_size,
         **{k: max(m[k] for m in memory) for k in memory[0]},
     }
+
+
+def step_draw(run: Run, step: int) -> tuple[list[int], list[int], int, int]:
+    """Step ``step``'s samples: (prompt indices, group ids) of all ranks in global sample
+    order, and this rank's share of them as (start, count)."""
+    indices, groups = run.sampler.global_step_samples(step - 1)
+    start, count = rank_slice(len(indices), run.engine.dp_size, run.engine.dp_rank)
+    return indices, groups, start, count
+
+
+def sample_step(run: Run, step: int) -> tuple[Any, dict[str, torch.Tensor] | None, float]:
+    """Step ``step``'s training rollout of this rank's samples and their rewards, with the
+    weights in the model (``rollout_and_score``)."""
+    indices, groups, start, count = step_draw(run, step)
+    prompts, metadata = run.train_data.select(indices[start : start + count])
+    locations = [run.train_data.locations[i] for i in indices[start : start + count]]
+    mine = list(range(start, start + count))
+    plan = run.rollout_plan(step)
+    return rollout_and_score(
+        run, plan, prompts, metadata, mine, step, locations, groups[start : start + count]
+    )
 
 
 def rollout_and_score(

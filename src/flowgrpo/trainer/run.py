@@ -25,6 +25,7 @@ from flowgrpo.rewards.base import reward_unavailable
 from flowgrpo.rollout import Trajectory, sample_trajectories
 from flowgrpo.trainer import setup
 from flowgrpo.trainer.figures import fitted_sources
+from flowgrpo.trainer.off_policy import OffPolicy, PolicyCopy
 from flowgrpo.trainer.preference import gold_metrics, pairwise_eval
 from flowgrpo.trainer.quiet import quiet_known_noise
 from flowgrpo.trainer.run_folder import mark_diverged, mark_good
@@ -75,6 +76,11 @@ class Run:
         self.checkpoint: Path | None = None
         self.rollout_ok = False
         self.ckpt_root: Path | None = None
+        # which weights sample a training step (trainer/off_policy.py); built with the engine,
+        # before a checkpoint loads, so that its behaviour-policy shadow is restored
+        steps = cfg.trainer.off_policy_steps if purpose == "train" else 0
+        overlap = steps and cfg.trainer.off_policy_overlap
+        self.off_policy = OffPolicy(self.engine, steps, PolicyCopy(self) if overlap else None)
 
     def ema(self, on: bool = True) -> contextlib.AbstractContextManager:
         """EMA weights inside the block when EMA is on (and ``on``)."""
