@@ -77,6 +77,8 @@ class SanaAdapter(DiffusionAdapter):
         if max_sequence_length < 2:
             raise ValueError(f"max_sequence_length must be >= 2, got {max_sequence_length}")
         self.max_sequence_length = max_sequence_length
+        if getattr(pipe, "tokenizer", None) is not None:  # what every encode_prompt sets: now,
+            pipe.tokenizer.padding_side = "right"  # so that the prompt cache's key is stable
         call = inspect.signature(type(pipe).__call__).parameters
         self.complex_human_instruction = list(call["complex_human_instruction"].default or [])
         self.num_train_timesteps = int(pipe.scheduler.config.num_train_timesteps)

@@ -75,6 +75,7 @@ def gemma_tokenizer():
         vocab=bpe_vocab(specials, alphabet, merges),
         merges=merges,
         add_bos_token=True,
+        padding_side="right",  # as the converted checkpoints save it (and the pipeline sets)
         model_max_length=8192,
     )
 
