@@ -32,6 +32,7 @@ SUPPORTED_PIPELINES: dict[str, str] = {
     "QwenImageEditPlusPipeline": "flowgrpo.models.qwen_image_edit:QwenImageEditPlusAdapter",
     "FluxKontextPipeline": "flowgrpo.models.flux_kontext:FluxKontextAdapter",
     "ChromaPipeline": "flowgrpo.models.chroma:ChromaAdapter",
+    "SanaPipeline": "flowgrpo.models.sana:SanaAdapter",
 }
 #: pipelines shipped in the package: ``model.path=builtin:NAME`` -> a function returning the
 #: directory (import paths as strings: nothing below the toy package imports it)

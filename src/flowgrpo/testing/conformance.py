@@ -93,6 +93,7 @@ def check_noise0_matches_pipeline(
         guidance_scale=guidance_scale,
         num_steps=steps,
         latents=latents.clone(),
+        ode_solver=fam.ode_solver,
     ).final_latents
     moved = float((ours - latents).abs().max())  # in the rollout's layout
     if fam.stock_layout is not None:

@@ -38,6 +38,8 @@ class Family:
     tests (a short text length for a family whose default is long).
     ``stock_guidance(pipe, scale)``: for a pipeline whose guidance is a component (a diffusers
     guider), sets it and returns the call's guidance arguments (else ``guidance_arg``).
+    ``ode_solver``: the sampler's ODE solver that the stock scheduler's steps are ("dpm2" for
+    a DPM-Solver++ 2M pipeline, SANA); the noise-0 comparison rolls out with it.
     Editing families: ``sources()`` gives each of ``prompts`` its source images (PIL, in
     order): the stock pipeline gets them as ``image=``, the rollout as tensors in [0, 1];
     ``stock_batch`` False calls the stock pipeline one prompt at a time (Edit-Plus takes
@@ -80,6 +82,7 @@ class Family:
     stock_negative: bool = True
     train_options: dict[str, Any] = field(default_factory=dict)
     stock_guidance: Callable[[Any, float], dict[str, Any]] | None = None
+    ode_solver: str = "euler"
     sources: Callable[[], list[list[Any]]] | None = None
     stock_batch: bool = True
     pipeline_class: str = ""
