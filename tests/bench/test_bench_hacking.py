@@ -17,9 +17,10 @@ def _run(folder, curve, best=None):
 def test_summary_of_a_hacked_and_a_stopped_run(tmp_path):
     _run(tmp_path / "none_s0", [(0, 0.6, 0.7), (5, 0.92, 0.9), (10, 0.96, 1.0), (15, 0.9, 1.1)])
     best = {"gold": {"step": 10, "gold": 0.96, "checkpoint": "c"}, "rollbacks": 0}
-    _run(
-        tmp_path / "stop_s0", [(0, 0.6, 0.7), (5, 0.92, 0.9), (10, 0.96, 1.0), (15, 0.9, 1.1)], best
-    )
+    curve = [(0, 0.6, 0.7), (5, 0.92, 0.9), (10, 0.96, 1.0), (15, 0.9, 1.1)]
+    _run(tmp_path / "stop_patience2_s0", curve, best)  # no trip: no stop event
+    best["events"] = [{"action": "stop", "step": 15, "line": "guard: stopped ..."}]
+    _run(tmp_path / "stop_s0", curve, best)
     res = summarize(tmp_path)
     r = res["none"][0]
     assert (r["peak"], r["peak_step"], r["last"], r["to_0.9"], r["to_0.95"]) == (
@@ -35,6 +36,7 @@ def test_summary_of_a_hacked_and_a_stopped_run(tmp_path):
     assert "hacking shown" in text
     assert "stop, seed 0: stopped at step 15 (1 evals after the unguarded peak at 10)" in text
     assert "1.000× the peak" in text
+    assert "stop_patience2, seed 0: no trip, ran to step 15" in text
 
 
 def test_commands_name_the_variant_and_seed(tmp_path):
