@@ -35,7 +35,7 @@ def run(path: Path, mode: str, *, empty: bool) -> dict:
 
     engine = build(path, mode, empty=empty)
     out = {"loaded": snapshot(engine), "local_bytes": quantized_bytes(engine.model)}
-    train_once(engine, engine.adapter)
+    train_once(engine, engine.adapter, "sd3")
     out["trained"] = snapshot(engine)
     return out
 
