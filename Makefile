@@ -12,6 +12,10 @@ TORCH := torch==2.13.0
 EXTRAS := ocr,wandb,toy,dev
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# the tests run on two pytest-xdist workers (one torch thread each), a test module per worker
+# at a time (its module-scoped fixtures, e.g. a spawned 2-rank job, run once); WORKERS= runs
+# them in this process
+WORKERS ?= -n 2 --dist loadscope
 
 .PHONY: install demo test test-fast lint format bench docs clean vllm-venv
 
@@ -52,12 +56,12 @@ test: $(STAMP)
 	@mkdir -p build && rm -f build/vllm-venv.failed; \
 	($(MAKE) --no-print-directory vllm-venv > build/vllm-venv.log 2>&1 || \
 	  (grep -v "is ignored" build/vllm-venv.log | tail -n 3 > build/vllm-venv.failed)) & \
-	FLOWGRPO_VLLM_BUILDING=1 $(PY) -m pytest; rc=$$?; wait; exit $$rc
+	FLOWGRPO_VLLM_BUILDING=1 $(PY) -m pytest $(WORKERS); rc=$$?; wait; exit $$rc
 
 # the local loop: everything but the tests that spawn ranks or train end to end (`slow`), the
 # per-family tests on the "core" cost tier's families only (flowgrpo.testing.families.params)
 test-fast: $(STAMP)
-	FLOWGRPO_TEST_ROWS=core $(PY) -m pytest -m "not slow"
+	FLOWGRPO_TEST_ROWS=core $(PY) -m pytest $(WORKERS) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests $(wildcard bench)

@@ -7,7 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# one thread per pytest-xdist worker (`make test` runs two on two cores), else two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 import pytest  # noqa: E402

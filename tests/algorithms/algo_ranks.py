@@ -10,7 +10,7 @@ import torch
 from flowgrpo.algorithms import ALGORITHMS as REGISTERED
 from flowgrpo.testing.compare import full_trainable
 from flowgrpo.testing.conformance import FAMILIES, family
-from flowgrpo.testing.families import core, rows_setting
+from flowgrpo.testing.families import core, cross, rows_setting
 from flowgrpo.testing.ranks import rank_env
 
 PROMPTS = ["a handwritten 1", "a handwritten 2", "a handwritten 3", "a handwritten 4"]
@@ -139,7 +139,8 @@ def run_initial(algorithm: str, kind: str, mode: str) -> dict[str, torch.Tensor]
 
 
 # CI time decides the matrix (each case trains 1 process and 2 ranks): every family under
-# Flow-GRPO, LoRA and full; every other algorithm on the families of the "core" cost tier (their
+# Flow-GRPO, LoRA and full on the core families and one of them on each other family
+# (flowgrpo.testing.families.cross); every other algorithm on the families of the "core" cost tier (their
 # test doubles say so: the toy, SD3, FLUX, Qwen-Image, Wan2.2's two experts) in one mode each,
 # LoRA and full alternating along the algorithm's row and the family's column (each algorithm
 # trains both, each core family both under the algorithms): what the engine does with LoRA or
@@ -152,9 +153,14 @@ _ALL_ROWS = rows_setting() == "all"
 MODES = ("lora", "full")
 
 
+_FLOW_GRPO = set(cross(KINDS, MODES))
+
+
 def _in_matrix(i: int, algorithm: str, j: int, kind: str, mode: str) -> bool:
-    if algorithm == "flow_grpo" or _ALL_ROWS:
+    if _ALL_ROWS:
         return True
+    if algorithm == "flow_grpo":
+        return (kind, mode) in _FLOW_GRPO
     return core(kind) and mode == MODES[(i + j) % 2]
 
 

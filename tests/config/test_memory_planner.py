@@ -48,9 +48,14 @@ def test_param_counts_equal_the_loaded_pipeline(root):
     assert plan.params["lora"] == lora
 
 
+#: every configuration on 1 rank and those whose sharded share changes with the ranks on 2 (the
+#: reward model runs whole on every rank: its world-2 row adds only a spawn)
+MEASURED = [(name, world) for world in (1, 2) for name in MR.CONFIGS]
+MEASURED.remove(("lora-clip", 2))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(MR.CONFIGS))
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("name", "world"), MEASURED, ids=[f"{w}-{n}" for n, w in MEASURED])
 def test_total_within_15_percent_of_the_measured_peak(root, name, world):
     measured = MR.measure(root, name, world)
     planned = MR.planned(root, name, world)

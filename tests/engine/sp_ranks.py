@@ -13,12 +13,26 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.testing.families import core, double, kinds, sequence_parallel
 
-KINDS = ("qwen_image", "flux", "sd3")
+#: the detailed checks run on the families of the "core" cost tier that run under SP, images
+#: (the one place CI time picks a subset: flowgrpo.testing.families.core); every family that
+#: runs under SP trains through the engine under it in tests/engine/sp_train_ranks.py
+KINDS = kinds(lambda f: sequence_parallel(f) and core(f) and not f.num_frames)
 HW = (32, 48)  # 8 x 12 = 96 image tokens
 ODD_HW = (36, 44)  # 9 x 11 = 99 image tokens: not divisible by 2
-TEXT = {"qwen_image": 10, "flux": 16, "sd3": 77 + 17}  # even: no padding
+TEXT = 16  # even: no padding
 GUIDANCE = 4.0
+
+
+def own_plan(fam) -> bool:
+    """Whether ``fam``'s adapter writes its transformer's context-parallel plan itself
+    (diffusers has none for it)."""
+    from flowgrpo.models.parallel import SequenceParallelSpec
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
+
+    spec = import_adapter(SUPPORTED_PIPELINES[fam.pipeline_class]).sequence_parallel
+    return spec is not None and type(spec).cp_plan is not SequenceParallelSpec.cp_plan
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -27,11 +41,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def make_embeds(kind: str, adapter, batch: int, text_len: int, gen, lengths=None):
-    """Random prompt embeddings in the adapter's layout (Qwen: masked, ``lengths`` real tokens)."""
+def make_embeds(adapter, batch: int, text_len: int, gen, lengths=None):
+    """Random prompt embeddings in the adapter's layout: masked (``lengths`` real tokens) for a
+    transformer without a pooled projection (Qwen-Image), else with a pooled vector."""
     cfg = adapter.transformer.config
     emb = torch.randn(batch, text_len, cfg.joint_attention_dim, generator=gen)
-    if kind == "qwen_image":
+    if getattr(cfg, "pooled_projection_dim", None) is None:
         mask = torch.zeros(batch, text_len, dtype=torch.long)
         for i, n in enumerate(lengths or [text_len] * batch):
             mask[i, :n] = 1
@@ -39,20 +54,24 @@ def make_embeds(kind: str, adapter, batch: int, text_len: int, gen, lengths=None
     return PromptEmbeds(emb, None, torch.randn(batch, cfg.pooled_projection_dim, generator=gen))
 
 
-def make_inputs(kind: str, adapter, *, seed: int, batch: int = 2, hw=HW, text_len=None):
-    """latents (pipeline layout), sigma [B], positive and negative embeddings (Qwen: the
-    negative prompts shorter, so the doubled CFG batch is padded with a mask)."""
+def latent_shape(adapter, batch: int, hw) -> tuple[int, ...]:
+    """The shape of ``batch`` latents at ``hw`` pixels in the adapter's layout ([B, C, h, w]
+    or packed [B, S, C]), scaled from its own latents at ``HW`` (``hw`` need not be a size
+    the pipeline accepts: the odd token count)."""
+    probe = adapter.prepare_latents(1, *HW, torch.Generator().manual_seed(0)).shape
+    if len(probe) == 4:
+        return (batch, probe[1], probe[2] * hw[0] // HW[0], probe[3] * hw[1] // HW[1])
+    return (batch, probe[1] * hw[0] * hw[1] // (HW[0] * HW[1]), probe[2])
+
+
+def make_inputs(adapter, *, seed: int, batch: int = 2, hw=HW, text_len=TEXT):
+    """latents (pipeline layout), sigma [B], positive and negative embeddings (masked text:
+    the negative prompts shorter, so the doubled CFG batch is padded with a mask)."""
     gen = torch.Generator().manual_seed(seed)
-    text_len = text_len or TEXT[kind]
-    cfg = adapter.transformer.config
-    h, w = hw
-    if kind == "sd3":
-        lat = torch.randn(batch, cfg.in_channels, h // 2, w // 2, generator=gen)
-    else:
-        lat = torch.randn(batch, (h // 4) * (w // 4), cfg.in_channels, generator=gen)
+    lat = torch.randn(latent_shape(adapter, batch, hw), generator=gen)
     sigma = torch.rand(batch, generator=gen) * 0.9 + 0.05
-    pos = make_embeds(kind, adapter, batch, text_len, gen, [text_len, text_len - 3])
-    neg = make_embeds(kind, adapter, batch, text_len, gen, [4, text_len - 1])
+    pos = make_embeds(adapter, batch, text_len, gen, [text_len, text_len - 3])
+    neg = make_embeds(adapter, batch, text_len, gen, [4, text_len - 1])
     return lat, sigma, pos, neg
 
 
@@ -135,14 +154,18 @@ def loss_grads(adapter, model, inputs_list, weight) -> dict[str, torch.Tensor]:
     return {n: t / len(inputs_list) for n, t in total.items()}
 
 
-def _adapter(kind: str, **overrides):
+def _adapter(kind: str):
+    """The family's tiny adapter with its SP case's options (FLUX.1-dev: true CFG gives the
+    second branch, its guidance being distilled) and frames."""
     from flowgrpo.models import build_adapter
     from flowgrpo.testing.tiny import tiny_pipeline
 
-    adapter = build_adapter(tiny_pipeline(kind, **overrides))
-    if kind == "flux":  # FLUX.1-dev's guidance is distilled: true CFG gives the second branch
-        adapter.true_cfg_scale = GUIDANCE
-    return adapter
+    fam = double(kind)
+    pipe = tiny_pipeline(kind)
+    if fam.sp.prepare is not None:
+        fam.sp.prepare(pipe)
+    frames = {"num_frames": fam.num_frames} if fam.num_frames else {}
+    return build_adapter(pipe, **frames, **fam.sp.options)
 
 
 def _error(fn) -> str:
@@ -159,7 +182,7 @@ def check_kind(kind: str, pm) -> dict:
 
     adapter = _adapter(kind)
     base = adapter.transformer
-    inputs = make_inputs(kind, adapter, seed=1)
+    inputs = make_inputs(adapter, seed=1)
     lat, sigma, pos, _ = inputs
     res: dict = {}
 
@@ -175,10 +198,10 @@ def check_kind(kind: str, pm) -> dict:
     with torch.no_grad():
         res["forward_rel"] = rel(fwd(model), fwd(base))
         res["velocity_rel"] = rel(velocity(adapter, model, inputs), velocity(adapter, base, inputs))
-        odd = make_inputs(kind, adapter, seed=2, hw=ODD_HW)
+        odd = make_inputs(adapter, seed=2, hw=ODD_HW)
         res["odd_image_error"] = _error(lambda: fwd(model, odd[0], hw=ODD_HW))
         # the text padding: a length that does not divide by 2 (Qwen: masked prompts)
-        padded = make_inputs(kind, adapter, seed=3, text_len=TEXT[kind] + 1)
+        padded = make_inputs(adapter, seed=3, text_len=TEXT + 1)
         res["pad_text_len"] = padded[2].embeds.shape[1]
         res["pad_forward_rel"] = rel(
             fwd(model, padded[0], padded[2]), fwd(base, padded[0], padded[2])
@@ -205,7 +228,7 @@ def check_kind(kind: str, pm) -> dict:
     if kind == "qwen_image":  # ranks of an SP group fed different samples: refused
         checked = copy.deepcopy(base)
         enable_sequence_parallel(checked, pm, 2, spec=adapter.sequence_parallel, verify_inputs=True)
-        mine = make_inputs(kind, adapter, seed=10 + pm.sp_rank)
+        mine = make_inputs(adapter, seed=10 + pm.sp_rank)
         with torch.no_grad():
             res["mismatch_error"] = _error(lambda: fwd(checked, mine[0], mine[2]))
     if kind == "flux":  # LoRA added after SP on the output layer (its gather hook): refused
@@ -239,38 +262,27 @@ def check_kind(kind: str, pm) -> dict:
     return res
 
 
-#: families with their own plan in their adapter's file (diffusers has none), checked on their
-#: adapters' own prompt embeddings at a size of theirs
-OWN_KINDS = ("z_image", "qwen_image21", "hunyuan_video15")
-OWN_HW = {"z_image": (32, 32), "qwen_image21": (64, 64), "hunyuan_video15": (32, 32)}
+#: the other families whose adapters write their own plan (diffusers has none), checked on
+#: their adapters' own prompt embeddings at their SP case's size
+OWN_KINDS = kinds(lambda f: sequence_parallel(f) and own_plan(f) and f.kind not in KINDS)
 OWN_PROMPTS = ["a red cat", "a photo of a big old house with a tree"]
-FIRST_SPLIT_BLOCK = {"z_image": "layers.0"}  # else transformer_blocks.0
-
-
-def _own_adapter(kind: str):
-    from flowgrpo.models import build_adapter
-    from flowgrpo.testing.tiny import tiny_pipeline
-
-    pipe = tiny_pipeline(kind)
-    if kind == "hunyuan_video15":  # an odd joint text (4 + 16 + 25), as the real 1985: padded
-        pipe.tokenizer_max_length = 25
-        return build_adapter(pipe, num_frames=5)
-    return build_adapter(pipe)
 
 
 def check_own_plan(kind: str, pm) -> dict:
     """Forward, guided velocity (CFG batch, negatives of other lengths), bf16 and LoRA + FSDP2
     gradients +- activation checkpointing (the blocks then get positional arguments, which the
-    plan's hooks find by the forward's signature) for a family with its own plan. Qwen-Image
-    2.1's positive prompts are cut to odd lengths: its text is padded after the image."""
+    plan's hooks find by the forward's signature) for a family with its own plan. A case with
+    ``odd_text`` (Qwen-Image 2.1) cuts its positive prompts to odd lengths: its text is padded
+    after the image."""
     from flowgrpo.engine.sp import enable_sequence_parallel
 
-    adapter = _own_adapter(kind)
+    sp_case = double(kind).sp
+    adapter = _adapter(kind)
     base = adapter.transformer
-    hw = OWN_HW[kind]
+    hw = sp_case.hw
     pos = adapter.encode_prompts(OWN_PROMPTS)
     neg = adapter.encode_prompts(["", "blurry"])
-    if kind == "qwen_image21":
+    if sp_case.odd_text:
         n = pos.mask.sum(1)
         n = n - (1 - n % 2)
         mask = (torch.arange(pos.mask.shape[1])[None] < n[:, None]).long()
@@ -312,7 +324,7 @@ def check_own_plan(kind: str, pm) -> dict:
         enable_sequence_parallel(model, pm, 2, spec=adapter.sequence_parallel)
         shard(model, pm)
         calls: list[int] = []
-        block = model.get_submodule(FIRST_SPLIT_BLOCK.get(kind, "transformer_blocks.0"))
+        block = model.get_submodule(sp_case.first_block)
         block.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
         out = compare_grads(loss_grads_hw(model), loss_grads_hw(ref))
         out["block0_calls"] = len(calls)
@@ -411,7 +423,7 @@ def dp_sp_job(rank: int, world: int, port: int, workdir: str) -> None:
     for name, replicate in (("dp2sp2", 1), ("hsdp2sp2", 2)):
         pm = build_parallel_mesh(world, replicate, 2, "cpu")
         res[name] = {"dp_rank": pm.dp_rank, "sp_rank": pm.sp_rank, "dp_size": pm.dp_size}
-        data = [make_inputs(kind, adapter, seed=20 + d) for d in range(pm.dp_size)]
+        data = [make_inputs(adapter, seed=20 + d) for d in range(pm.dp_size)]
         weight = torch.randn(data[0][0].shape, generator=torch.Generator().manual_seed(7))
         model = copy.deepcopy(base)
         add_lora(model, adapter)

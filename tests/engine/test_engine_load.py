@@ -1,7 +1,7 @@
 """Sharded loading (flowgrpo.engine.load): the trained transformer(s) built on the meta device,
 sharded, then each rank's shards read from the files. The weights, buffers, reference copy and
 EMA equal today's whole-model path bit for bit, before and after a training step, for every
-family, LoRA and full, 1 and 2 ranks, with SP, HSDP and CPU offload; and no whole transformer
+family (LoRA and full: both on the core families, one on each other), 1 and 2 ranks, with SP, HSDP and CPU offload; and no whole transformer
 is ever allocated while building."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import load_ranks
 import pytest
 import torch
 
-from flowgrpo.testing.families import kinds, params
+from flowgrpo.testing.families import cross_params, kinds
 from flowgrpo.testing.ranks import spawn
 
-#: every family with a diffusers pipeline to save (its cost tier marks its rows, ``params``)
-FAMILIES = params(kinds(lambda f: f.stock))
+#: every family with a diffusers pipeline to save (its cost tier marks its rows, ``params``);
+#: LoRA and full on the core families, one of them on each other family (``cross``)
+CASES = cross_params(kinds(lambda f: f.stock), ["lora", "full"])
 
 
 class _Saved(dict):
@@ -34,8 +35,7 @@ def saved(tmp_path_factory):
     return _Saved(tmp_path_factory.mktemp("pipelines"))
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-@pytest.mark.parametrize("case", ["lora", "full"])
+@pytest.mark.parametrize(("kind", "case"), CASES)
 def test_one_rank_equals_whole_model_path(dist1, saved, kind, case):
     out = load_ranks.compare(saved[kind], case)
     assert out["count"][0] > 20

@@ -1,8 +1,10 @@
 """Ulysses sequence parallelism (flowgrpo.engine.sp) on gloo: sp=2 against one process for the
-Qwen-Image, FLUX and SD3 tiny pipelines (forward, guided velocity, LoRA + FSDP2 gradients
-through both CFG branches, activation checkpointing, text padding, the clear errors), and a
-4-rank dp2 x sp2 / HSDP case. One spawn per world size runs every check (imports cost seconds
-per process); the ranks compute their own single-process references (tests/engine/sp_ranks.py).
+tiny pipelines of the core cost tier's image families that run under SP (Qwen-Image, FLUX,
+SD3) and of the other families whose adapters write their own plan (forward, guided
+velocity, LoRA + FSDP2 gradients through both CFG branches, activation checkpointing, text
+padding, the clear errors), and a 4-rank dp2 x sp2 / HSDP case. One spawn per world size runs
+every check (imports cost seconds per process); the ranks compute their own single-process
+references (tests/engine/sp_ranks.py).
 """
 
 import pytest

@@ -1,10 +1,12 @@
 """Sequence parallelism through the engine (issue 16): with fsdp.sp_degree = 2 over 2 gloo
 ranks, the rollout, the recomputed log-probs and one Flow-GRPO update (guidance through both
-branches, KL, LoRA and full) equal one process without SP, for Qwen-Image, FLUX, SD3, Wan2.1
-and Wan2.2 (video: diffusers' own Wan context-parallel plan, on each of Wan2.2's two experts),
-FLUX.2, Qwen-Image-Edit(-Plus), whose source image tokens ride along the noised ones and are
-split with them (issue 26), and the families with their own plans: Z-Image, Qwen-Image 2.1,
-HunyuanVideo-1.5 (whose text, not divisible by sp, is padded: a forward with such text equals
+branches, KL; LoRA and full on the core families, one of them on each other) equal one
+process without SP, for every family that runs under SP
+(flowgrpo.testing.families.sequence_parallel), each driven as its test double's ``sp`` case
+says: e.g. Wan2.2 (diffusers' own Wan context-parallel plan, on each of its two experts),
+Qwen-Image-Edit(-Plus), whose source image tokens ride along the noised ones and are split
+with them (issue 26), and the families with their own plans (Z-Image, Qwen-Image 2.1,
+HunyuanVideo-1.5, whose text, not divisible by sp, is padded: a forward with such text equals
 one process)."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import sp_train_ranks as st
 import torch
 
+from flowgrpo.testing.families import double
 from flowgrpo.testing.ranks import spawn
 
 pytestmark = pytest.mark.slow
@@ -23,7 +26,7 @@ def runs(dist1, tmp_path_factory):
     out = tmp_path_factory.mktemp("sp_train") / "sp2.pt"
     ctx = spawn(st.job, 2, str(out), join=False)
     try:
-        single = {(k, m): st.run(k, m, sp=1) for k in st.KINDS for m in st.MODES}
+        single = {(k, m): st.run(k, m, sp=1) for k, m in st.CASES}
     finally:
         while not ctx.join():
             pass
@@ -34,14 +37,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("mode", st.MODES)
-@pytest.mark.parametrize("kind", st.KINDS)
+@pytest.mark.parametrize(("kind", "mode"), st.CASES, ids=[f"{k}-{m}" for k, m in st.CASES])
 def test_sp2_rollout_log_probs_and_update_equal_one_process(runs, kind, mode):
     single, sp2 = runs
     one, two = single[(kind, mode)], sp2[(kind, mode)]
     assert two["tokens"] * 2 == one["tokens"] and two["dp_size"] == 1  # SP really split it
-    if kind in st.EDITS:  # the transformer saw noised + source tokens, split over the ranks
-        height, width, *_, sources = st.EDITS[kind]
+    edit = double(kind).sp.edit
+    if edit is not None:  # the transformer saw noised + source tokens, split over the ranks
+        height, width, *_, sources = edit
         assert one["tokens"] == (height // 64) * (width // 64) + sources
     assert _rel(two["final"], one["final"]) <= 1e-5  # the rollout at noise 0
     assert two["log_ratio"] <= 1e-6 and one["log_ratio"] <= 1e-6  # recomputed under SP
@@ -61,8 +64,11 @@ def test_sp2_rollout_log_probs_and_update_equal_one_process(runs, kind, mode):
     assert two["metrics"]["kl"] == pytest.approx(one["metrics"]["kl"], rel=1e-3, abs=1e-9)
 
 
-@pytest.mark.parametrize("mode", st.MODES)
-@pytest.mark.parametrize("kind", [k for k in st.KINDS if k in st.PADDED])
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [(k, m) for k, m in st.CASES if double(k).sp.padded_text],
+    ids=lambda v: str(v),
+)
 def test_sp2_pads_text_not_divisible_by_sp(runs, kind, mode):
     single, sp2 = runs
     one, two = single[(kind, mode)], sp2[(kind, mode)]

@@ -77,8 +77,6 @@ def test_the_check_finds_a_hand_written_list(tmp_path):
 #: check fails when one of them is cleaned (drop it here) and for any other file
 PENDING = {
     "tests/config/test_config_sizes.py",  # published configs per family: reference data
-    "tests/engine/sp_ranks.py",
-    "tests/engine/sp_train_ranks.py",
 }
 
 
@@ -90,3 +88,28 @@ def test_no_family_list_is_written_by_hand_outside_the_registry():
         "families listed by hand: take them from the registry (flowgrpo.testing.families: "
         "doubles(), kinds(capability), params(), core()):\n" + "\n".join(found)
     )
+
+
+def test_cross_gives_core_families_every_value_and_the_others_one_in_turn(monkeypatch):
+    from flowgrpo.testing.families import core, cross, kinds
+
+    monkeypatch.delenv("FLOWGRPO_TEST_ROWS", raising=False)
+    fams = kinds()
+    pairs = cross(fams, ["a", "b", "c"])
+    for j, kind in enumerate(fams):
+        got = [v for k, v in pairs if k == kind]
+        assert got == (["a", "b", "c"] if core(kind) else [["a", "b", "c"][j % 3]]), kind
+    others = {v for k, v in pairs if not core(k)}
+    assert others == {"a", "b", "c"}  # every value meets some non-core family
+    monkeypatch.setenv("FLOWGRPO_TEST_ROWS", "all")
+    assert len(cross(fams, ["a", "b", "c"])) == 3 * len(fams)
+
+
+def test_sequence_parallel_families_are_those_the_engine_runs_under_sp():
+    """The SP tests' list: a family whose adapter declares a spec or whose transformer class
+    has diffusers' plan; Chroma and SANA have neither (the engine refuses them under SP)."""
+    from flowgrpo.testing.families import kinds, sequence_parallel
+
+    sp = set(kinds(sequence_parallel))
+    assert {"qwen_image", "sd3", "wan22", "z_image", "flux_kontext"} <= sp
+    assert not {"chroma", "sana", "toy"} & sp

@@ -1,4 +1,5 @@
-"""End-to-end Flow-GRPO runs of the toy: 1 process, 2 ranks, resume, SIGKILL + resume.
+"""End-to-end Flow-GRPO runs of the toy: 1 process, 2 ranks, resume (kill -9 and resume:
+test_fault_injection.py).
 
 All runs use the toy preset shrunk to 2 digits x K=4 (8 images per step), 4 sampling steps and
 2 eval prompts x 2 seeds, so one step takes well under a second after start-up.
@@ -9,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -176,33 +175,8 @@ def test_two_ranks_match_one_process(two_steps, tmp_path):
     ]
 
 
-def test_sigkill_then_resume_uses_last_complete_checkpoint(tmp_path):
-    out = tmp_path / "killed"
-    args = ("trainer.max_steps=12", "trainer.save_every=1", "trainer.eval_every=6")
-    proc = subprocess.Popen(
-        _cli(out, *args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline = time.time() + 120
-    try:
-        while not list((out / "checkpoints").glob("step_*/COMPLETE")):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline, "no checkpoint after 120 s"
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    done = sorted(int(p.parent.name[5:]) for p in (out / "checkpoints").glob("step_*/COMPLETE"))
-    assert done and done[-1] < 12
-    summary = train(out, *args, "trainer.resume=auto")
-    assert summary["resumed_from"] == str(out / "checkpoints" / f"step_{done[-1]}")
-    rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 13))  # no gap, no duplicate
-    assert rows[-1]["samples"] == 12 * 8
-    assert [e["step"] for e in read_jsonl(out / "eval.jsonl")] == [0, 6, 12]
-    assert (out / "checkpoints/step_12/COMPLETE").is_file()
-    assert not list((out / "checkpoints").glob("*.tmp"))
+# kill -9 and resume: tests/trainer/test_fault_injection.py (at four points of a run, bit
+# exact against a straight run, no step duplicated or missing)
 
 
 def test_eval_and_sample_from_checkpoint_reproduce_the_run(two_steps, tmp_path):

@@ -19,6 +19,36 @@ TIERS = ("core", "fast", "slow")
 
 
 @dataclass(frozen=True)
+class SequenceParallelCase:
+    """How the sequence-parallel tests (tests/engine/sp_ranks.py, sp_train_ranks.py) drive a
+    family that runs under SP (``flowgrpo.testing.families.sequence_parallel``); the defaults
+    fit a text-to-image family with diffusers' layout.
+
+    ``options``: adapter options (a text length that splits with the image tokens, video
+    frames); ``prepare(pipe)``: changes the tiny pipeline before its adapter is built (a text
+    length that does not divide by 2); ``hw``: the rollout's (H, W) pixels; ``guidance``: the
+    guidance scale; ``output_module``: the module whose input is split (its output gathered);
+    ``padded_text``: the transformer keyword whose token length grows when its text is padded
+    for sp (a family whose text does not divide by 2; checked by a forward with such text);
+    ``odd_text``: the positive prompts are cut to odd lengths through their mask for that
+    forward (else the text is odd as built); ``first_block``: the first block the plan splits
+    (activation checkpointing runs it twice); ``edit``: an editing family's (H, W, each
+    prompt's source images as (h, w) pixels, the VAE view's pixel area or None, the source
+    tokens the transformer sees beside the noised ones).
+    """
+
+    options: dict[str, Any] = field(default_factory=dict)
+    prepare: Callable[[Any], None] | None = None
+    hw: tuple[int, int] = (32, 32)
+    guidance: float = 4.0
+    output_module: str = "proj_out"
+    padded_text: str | None = None
+    odd_text: bool = False
+    first_block: str = "transformer_blocks.0"
+    edit: tuple[int, int, tuple[tuple[int, int], ...], int | None, int] | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family as the conformance checks drive it.
 
@@ -50,7 +80,8 @@ class Family:
     ``transformer`` config (``tiny_pipeline``'s overrides replace entries) and the ``vae``
     config its adapter's ``size_rule`` reads (``tiny_size``); ``tier``: one of ``TIERS``, the
     cost of its rows (``flowgrpo.testing.families``, the one place that acts on it);
-    ``saves``: False for a double ``save_pretrained`` cannot write.
+    ``saves``: False for a double ``save_pretrained`` cannot write; ``sp``: how the
+    sequence-parallel tests drive it (a family that runs under SP).
     """
 
     kind: str
@@ -90,6 +121,7 @@ class Family:
     transformer: dict[str, Any] = field(default_factory=dict)
     vae: dict[str, Any] = field(default_factory=dict)
     tier: str = "fast"
+    sp: SequenceParallelCase = field(default_factory=SequenceParallelCase)
     saves: bool = True  # False: the double cannot be saved (a component diffusers can't write)
 
     def __post_init__(self) -> None:

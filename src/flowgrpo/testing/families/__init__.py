@@ -5,7 +5,7 @@ their conformance entries, one per pipeline class or variant, e.g. Wan2.1 and Wa
 Every per-family list of the tests comes from here, and so from the registry: a family added
 to the registry with its module here is covered by every test of what it declares, without
 editing a test. ``params`` and ``core`` are the one place a family's cost tier picks a CI
-subset.
+subset (``cross`` for a second axis).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from flowgrpo.testing.family import Family
@@ -65,6 +65,32 @@ def of(family: str) -> tuple[str, ...]:
     return kinds(lambda f: f.pipeline_class in families()[family])
 
 
+def sequence_parallel(fam: Family | str) -> bool:
+    """Whether ``fam`` (a family or a kind) runs under sequence parallelism, as the engine
+    decides it (``flowgrpo.engine.sp``): its adapter declares a ``SequenceParallelSpec``, or
+    its pipeline's transformer class carries diffusers' context-parallel plan (``_cp_plan``).
+    The toy (not a diffusers pipeline, ``stock`` False) is left out: SP is for the models
+    that need it, and the toy's SD3 transformer is SD3's case."""
+    import inspect
+    import typing
+
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
+
+    f = double(fam) if isinstance(fam, str) else fam
+    if not f.stock:
+        return False
+    if import_adapter(SUPPORTED_PIPELINES[f.pipeline_class]).sequence_parallel is not None:
+        return True
+    import diffusers
+
+    hint = (
+        inspect.signature(getattr(diffusers, f.pipeline_class).__init__)
+        .parameters["transformer"]
+        .annotation
+    )
+    return any(getattr(c, "_cp_plan", None) for c in typing.get_args(hint) or (hint,))
+
+
 def rows_setting() -> str:
     """``FLOWGRPO_TEST_ROWS``, the one setting of how many family rows the tests run: "all"
     (every family in every cross-product, once, when a family or an algorithm is added),
@@ -80,6 +106,36 @@ def core(fam: Family | str) -> bool:
     """Whether ``fam`` (a family or a kind) runs the cross-products CI time cannot afford for
     every family (every algorithm x LoRA/full): its tier is "core"."""
     return (double(fam) if isinstance(fam, str) else fam).tier == "core"
+
+
+def cross(fams: Iterable[Family | str], values: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """``fams`` x ``values`` (a second axis: LoRA/full, the SDE kind) as CI time affords it: a
+    family of the "core" tier with every value, any other with one, taken in turn along
+    ``fams`` (so every value meets several families); every pair with
+    ``FLOWGRPO_TEST_ROWS=all``. What a value changes (LoRA or full weights, the sampler's
+    noise rule) is the same code for every family: the core families cover it, the others
+    their own part once."""
+    every = rows_setting() == "all"
+    out = []
+    for j, fam in enumerate(fams):
+        for i, value in enumerate(values):
+            if every or core(fam) or i == j % len(values):
+                out.append((fam, value))
+    return out
+
+
+def cross_params(
+    fams: Iterable[Family | str], values: Sequence[Any], marks: Iterable[Any] = ()
+) -> list[Any]:
+    """``cross(fams, values)`` as pytest parameters ``(fam, value)`` with ids ``kind-value``,
+    marked as ``params`` marks each family."""
+    import pytest
+
+    out = []
+    for fam, value in cross(fams, values):
+        (row,) = params([fam], marks)
+        out.append(pytest.param(fam, value, id=f"{row.id}-{value}", marks=row.marks))
+    return out
 
 
 def params(fams: Iterable[Family | str], marks: Iterable[Any] = ()) -> list[Any]:

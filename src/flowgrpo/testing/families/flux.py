@@ -16,7 +16,7 @@ from flowgrpo.testing.families._parts import (
     t5_encoder,
     t5_tokenizer,
 )
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, SequenceParallelCase
 
 #: black-forest-labs/FLUX.1-dev's scheduler config
 SCHEDULER: dict[str, Any] = {
@@ -78,6 +78,8 @@ DOUBLES = (
         call_options={"max_sequence_length": 16},
         guidance=3.5,
         pipeline_class="FluxPipeline",
+        # FLUX.1-dev's guidance is distilled: true CFG gives the second branch under SP
+        sp=SequenceParallelCase(options={"true_cfg_scale": 4.0}, guidance=3.5),
         build=build,
         tier="core",  # every algorithm x LoRA/full runs on it
         transformer=TRANSFORMER,

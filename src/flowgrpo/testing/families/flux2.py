@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from flowgrpo.testing.families._parts import byte_bpe
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, SequenceParallelCase
 
 #: black-forest-labs/FLUX.2-dev and FLUX.2-klein: dynamic shifting; mu is the pipelines'
 #: compute_empirical_mu (sequence length and step count), base/max shift are unused
@@ -235,6 +235,9 @@ def _flux2_klein_stock_layout(pipe: Any, latents: torch.Tensor, size: tuple[int,
     return pipe._unpatchify_latents(latents * std + mean)
 
 
+#: text and image tokens both split over sp = 2
+_SP = SequenceParallelCase(options={"max_sequence_length": 64})
+
 DOUBLES = (
     Family(
         "flux2",
@@ -246,6 +249,7 @@ DOUBLES = (
         train_size=(8, 8),  # LoRA steps of 16 x 16 move < 1e-4 (the algorithm tests' floor)
         stock_layout=_flux2_stock_layout,
         pipeline_class="Flux2Pipeline",
+        sp=_SP,
         build=build,
         transformer=TRANSFORMER,
         vae=VAE,
@@ -261,6 +265,7 @@ DOUBLES = (
         stock_layout=_flux2_klein_stock_layout,
         stock_negative=False,  # the pipeline's negative prompt is always ""
         pipeline_class="Flux2KleinPipeline",
+        sp=_SP,
         build=build_klein,
         transformer=KLEIN_TRANSFORMER,
         vae=VAE,

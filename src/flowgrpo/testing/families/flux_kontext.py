@@ -12,7 +12,7 @@ import torch
 
 from flowgrpo.testing.families import flux
 from flowgrpo.testing.families._parts import random_image
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, SequenceParallelCase
 
 TRANSFORMER: dict[str, Any] = dict(flux.TRANSFORMER)
 VAE: dict[str, Any] = dict(
@@ -57,6 +57,12 @@ DOUBLES = (
         # its multiple, 64, before reading the aspect ratio): resized to 1408 x 704 (242 tokens)
         sources=lambda: [[random_image(i, 80, 144)] for i in range(4)],
         pipeline_class="FluxKontextPipeline",
+        # source_size=64: one source token (1 x 1 after the 2x2 packing) beside the 1 x 3
+        # noised ones of a 64 x 192 image (its VAE view's area is unused)
+        sp=SequenceParallelCase(
+            options={"max_sequence_length": 16, "source_size": 64},
+            edit=(64, 192, ((20, 60),), None, 1),
+        ),
         build=build,
         transformer=TRANSFORMER,
         vae=VAE,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from flowgrpo.testing.families._parts import bpe_vocab, corpus, t5_config, train_bpe
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, SequenceParallelCase
 
 #: hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v (shift 5: UniRL's 480p recipe)
 SCHEDULER: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 5.0}
@@ -161,6 +161,11 @@ def _load_transformer_lora(pipe: Any, folder: Any) -> None:
     )
 
 
+def _odd_text(pipe) -> None:
+    """The SP tests' text length: 25 prompt tokens, so the joint text is odd."""
+    pipe.tokenizer_max_length = 25
+
+
 DOUBLES = (
     Family(
         "hunyuan_video15",
@@ -174,6 +179,8 @@ DOUBLES = (
         load_lora=_load_transformer_lora,
         stock_guidance=_guider_scale,
         pipeline_class="HunyuanVideo15Pipeline",
+        # an odd joint text (4 + 16 + 25 tokens, as the real model's 729 + 256 + 1000): padded
+        sp=SequenceParallelCase(prepare=_odd_text, padded_text="encoder_hidden_states"),
         build=build,
         transformer=TRANSFORMER,
         vae=VAE,

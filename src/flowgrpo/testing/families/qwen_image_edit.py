@@ -19,7 +19,7 @@ from flowgrpo.testing.families._parts import (
     qwen_tokenizer,
     random_image,
 )
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, SequenceParallelCase
 
 TRANSFORMER: dict[str, Any] = dict(qwen_image.TRANSFORMER)
 #: the VAE of factor 32 (5 downsamplings, no residual blocks)
@@ -132,6 +132,11 @@ _EDIT = Family(
     # ~1024² sources, encoded in bf16 by the on-policy check (~9x slower than fp32 on a CPU
     # without AVX-512): 13% of make test-fast; FLUX.1 Kontext covers editing there
     tier="slow",
+    # scaled down from the pipelines' ~1024² sources to keep SP fast: a 1:3 source becomes
+    # 64 x 192 pixels, 2 x 6 latents of the tiny VAE (factor 32), 1 x 3 tokens (2x2 packing);
+    # 1 x 3 noised + 3 source tokens: the 3 noised alone do not split over sp = 2, so SP runs
+    # only if the source tokens are counted and split with them
+    sp=SequenceParallelCase(edit=(64, 192, ((20, 60),), 64 * 192, 3)),
 )
 DOUBLES = (
     _EDIT,
@@ -141,5 +146,7 @@ DOUBLES = (
         sources=_two_sources,
         pipeline_class="QwenImageEditPlusPipeline",
         build=build_plus,
+        # 2 x 3 noised + 3 + 3 source tokens (two sources, 3:1 and 1:3)
+        sp=SequenceParallelCase(edit=(128, 192, ((20, 60), (60, 20)), 64 * 192, 6)),
     ),
 )

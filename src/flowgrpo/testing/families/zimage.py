@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from flowgrpo.testing.families._parts import KL_VAE, kl_vae, qwen_tokenizer
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, SequenceParallelCase
 
 #: Tongyi-MAI/Z-Image-Turbo: a static shift 3 (the pipeline's mu is ignored)
 SCHEDULER: dict[str, Any] = {
@@ -86,6 +86,7 @@ DOUBLES = (
         options={"max_sequence_length": 64},
         call_options={"max_sequence_length": 64},
         pipeline_class="ZImagePipeline",
+        sp=SequenceParallelCase(output_module="all_final_layer.2-1", first_block="layers.0"),
         build=build,
         transformer=TRANSFORMER,
         vae=KL_VAE,
