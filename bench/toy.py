@@ -25,7 +25,9 @@ def bench_toy(*, quick: bool = False) -> dict[str, object]:
                 "trainer.max_steps=2",
                 "trainer.eval_every=1",
                 "trainer.save_every=2",
+                "sample.prompts_per_step=2",
                 "sample.group_size=4",
+                "data.eval_num_prompts=2",
                 "data.eval_samples_per_prompt=4",
             ]
         t0 = time.perf_counter()
