@@ -155,17 +155,9 @@ def loss_grads(adapter, model, inputs_list, weight) -> dict[str, torch.Tensor]:
 
 
 def _adapter(kind: str):
-    """The family's tiny adapter with its SP case's options (FLUX.1-dev: true CFG gives the
-    second branch, its guidance being distilled) and frames."""
-    from flowgrpo.models import build_adapter
-    from flowgrpo.testing.tiny import tiny_pipeline
-
-    fam = double(kind)
-    pipe = tiny_pipeline(kind)
-    if fam.sp.prepare is not None:
-        fam.sp.prepare(pipe)
-    frames = {"num_frames": fam.num_frames} if fam.num_frames else {}
-    return build_adapter(pipe, **frames, **fam.sp.options)
+    """The family's tiny adapter as its SP case drives it (FLUX.1-dev: true CFG gives the
+    second branch, its guidance being distilled)."""
+    return double(kind).sp_adapter()
 
 
 def _error(fn) -> str:
@@ -282,11 +274,7 @@ def check_own_plan(kind: str, pm) -> dict:
     hw = sp_case.hw
     pos = adapter.encode_prompts(OWN_PROMPTS)
     neg = adapter.encode_prompts(["", "blurry"])
-    if sp_case.odd_text:
-        n = pos.mask.sum(1)
-        n = n - (1 - n % 2)
-        mask = (torch.arange(pos.mask.shape[1])[None] < n[:, None]).long()
-        pos = PromptEmbeds(pos.embeds, mask, pos.pooled)
+    pos = sp_case.text(pos)
     lat = adapter.prepare_latents(2, hw[0], hw[1], torch.Generator().manual_seed(1))
     inputs = (lat, torch.tensor([0.8, 0.35]), pos, neg)
     res: dict = {}

@@ -22,24 +22,12 @@ MODES = ("lora", "full")
 CASES = cross(KINDS, MODES)
 
 
-def odd_prompts(embeds):
-    """``embeds`` with every prompt cut to an odd length through its mask."""
-    from flowgrpo.models.base import PromptEmbeds
-
-    n = embeds.mask.sum(1)
-    n = n - (1 - n % 2)  # odd lengths
-    mask = (torch.arange(embeds.mask.shape[1])[None] < n[:, None]).long()
-    return PromptEmbeds(embeds.embeds, mask, embeds.pooled)
-
-
 def padded_forward(adapter, model, case) -> dict:
     """One forward whose text does not divide by 2 (``case.odd_text``: every prompt cut to an
     odd length; else the family's text is odd as its case builds it, e.g. HunyuanVideo-1.5's
     joint text 4 + 16 + 25 tokens, like the real model's 729 + 256 + 1000): the velocity and
     the text length each transformer call got."""
-    embeds = adapter.encode_prompts(PROMPTS)
-    if case.odd_text:
-        embeds = odd_prompts(embeds)
+    embeds = case.text(adapter.encode_prompts(PROMPTS))
     texts: list[int] = []
     key = case.padded_text
     hook = adapter.transformer.register_forward_pre_hook(  # after the engine's padding hook
@@ -68,9 +56,7 @@ def source_images(case) -> list[list[torch.Tensor]] | None:
 def run(kind: str, mode: str, sp: int) -> dict:
     from flowgrpo.config import config_from_dict
     from flowgrpo.engine import init_distributed
-    from flowgrpo.models import build_adapter
     from flowgrpo.rollout import sample_trajectories, trajectory_log_prob
-    from flowgrpo.testing.tiny import tiny_pipeline
     from flowgrpo.trainer.setup import build_engine
 
     cfg = config_from_dict(
@@ -85,11 +71,7 @@ def run(kind: str, mode: str, sp: int) -> dict:
     )
     fam = double(kind)
     case = fam.sp
-    pipe = tiny_pipeline(kind)
-    if case.prepare is not None:
-        case.prepare(pipe)
-    frames = {"num_frames": fam.num_frames} if fam.num_frames else {}
-    adapter = build_adapter(pipe, **frames, **case.options)
+    adapter = fam.sp_adapter()
     images = source_images(case)
     if case.edit is not None and case.edit[3] is not None:
         adapter.vae_area = case.edit[3]

@@ -47,6 +47,16 @@ class SequenceParallelCase:
     first_block: str = "transformer_blocks.0"
     edit: tuple[int, int, tuple[tuple[int, int], ...], int | None, int] | None = None
 
+    def text(self, embeds: Any) -> Any:
+        """``embeds`` (``PromptEmbeds`` with a mask) as the padding checks feed them: with
+        ``odd_text``, every prompt cut to an odd length through its mask; else unchanged."""
+        if not self.odd_text:
+            return embeds
+        n = embeds.mask.sum(1)
+        n = n - (1 - n % 2)  # odd lengths
+        mask = (torch.arange(embeds.mask.shape[1])[None] < n[:, None]).long()
+        return type(embeds)(embeds.embeds, mask, embeds.pooled)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -175,6 +185,17 @@ class Family:
         if hasattr(pipe, "set_progress_bar_config"):  # a diffusers pipeline (not the toy)
             pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def sp_adapter(self) -> Any:
+        """A fresh tiny pipeline's adapter as the sequence-parallel tests drive it: the ``sp``
+        case's ``prepare`` and options, and the family's frames."""
+        from flowgrpo.models import build_adapter
+
+        pipe = self.tiny()
+        if self.sp.prepare is not None:
+            self.sp.prepare(pipe)
+        frames = {"num_frames": self.num_frames} if self.num_frames else {}
+        return build_adapter(pipe, **frames, **self.sp.options)
 
     def adapter(self, pipe: Any, *, cfg: bool = False) -> Any:
         """The registry's adapter for ``pipe`` with this family's options."""
