@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.testing.families import core, double, kinds, sequence_parallel
+from flowgrpo.testing.families import (
+    core,
+    double,
+    kinds,
+    sequence_parallel,
+    sequence_parallel_spec,
+)
 
 #: the detailed checks run on the families of the "core" cost tier that run under SP, images
 #: (the one place CI time picks a subset: flowgrpo.testing.families.core); every family that
@@ -29,9 +35,8 @@ def own_plan(fam) -> bool:
     """Whether ``fam``'s adapter writes its transformer's context-parallel plan itself
     (diffusers has none for it)."""
     from flowgrpo.models.parallel import SequenceParallelSpec
-    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
 
-    spec = import_adapter(SUPPORTED_PIPELINES[fam.pipeline_class]).sequence_parallel
+    spec = sequence_parallel_spec(fam)
     return spec is not None and type(spec).cp_plan is not SequenceParallelSpec.cp_plan
 
 

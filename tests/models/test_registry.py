@@ -12,11 +12,10 @@ from flowgrpo.models import registry
 from flowgrpo.models.registry import (
     SUPPORTED_PIPELINES,
     build_adapter,
-    import_adapter,
     load_pipeline,
     resolve_adapter_path,
 )
-from flowgrpo.testing.families import doubles, params
+from flowgrpo.testing.families import doubles, params, sequence_parallel_spec
 from flowgrpo.testing.tiny import tiny_pipeline, tiny_size
 
 
@@ -175,11 +174,7 @@ def test_family_options_are_settings_and_come_from_the_adapters():
     assert adapter_options(StableDiffusion3Pipeline) == {"max_sequence_length"}
 
 
-SP_FAMILIES = [
-    f
-    for f in doubles()
-    if getattr(import_adapter(SUPPORTED_PIPELINES[f.pipeline_class]), "sequence_parallel", None)
-]
+SP_FAMILIES = [f for f in doubles() if sequence_parallel_spec(f) is not None]
 
 
 @pytest.mark.parametrize("fam", params(SP_FAMILIES))

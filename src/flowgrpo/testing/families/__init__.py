@@ -65,6 +65,15 @@ def of(family: str) -> tuple[str, ...]:
     return kinds(lambda f: f.pipeline_class in families()[family])
 
 
+def sequence_parallel_spec(fam: Family | str) -> Any:
+    """The ``SequenceParallelSpec`` ``fam``'s adapter declares (its class attribute, read
+    through the registry without building a pipeline), or None."""
+    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
+
+    f = double(fam) if isinstance(fam, str) else fam
+    return import_adapter(SUPPORTED_PIPELINES[f.pipeline_class]).sequence_parallel
+
+
 def sequence_parallel(fam: Family | str) -> bool:
     """Whether ``fam`` (a family or a kind) runs under sequence parallelism, as the engine
     decides it (``flowgrpo.engine.sp``): its adapter declares a ``SequenceParallelSpec``, or
@@ -74,12 +83,10 @@ def sequence_parallel(fam: Family | str) -> bool:
     import inspect
     import typing
 
-    from flowgrpo.models.registry import SUPPORTED_PIPELINES, import_adapter
-
     f = double(fam) if isinstance(fam, str) else fam
     if not f.stock:
         return False
-    if import_adapter(SUPPORTED_PIPELINES[f.pipeline_class]).sequence_parallel is not None:
+    if sequence_parallel_spec(f) is not None:
         return True
     import diffusers
 
