@@ -2,9 +2,9 @@
 ``python -m bench --sections hacking``).
 
 The toy's reward is made hackable: the classifier's probability of the prompt's digit plus
-0.5 x ``digits_ink`` (mean brightness, which an image maximises by painting its background,
+1.0 x ``digits_ink`` (mean brightness, which an image maximises by painting its background,
 not by being a better digit). The gold reward is the toy's independent SVC judge
-(``eval.gold_reward=digits_judge``), never trained on. Four variants, seeds 0, 1, 2, each one
+(``eval.gold_reward=digits_judge``), never trained on. Six variants, seeds 0, 1, 2, each one
 run of ``flowgrpo train`` in a subprocess on one thread:
 
 - ``none``: no guard: the judge peaks and falls while the training reward still rises;
@@ -12,7 +12,7 @@ run of ``flowgrpo train`` in a subprocess on one thread:
 - ``stop_patience2``: the same with ``guard.patience=2`` (the drop at two evals in a row);
 - ``rollback``: the same with ``guard.action=rollback guard.on_rollback.optim.lr=1e-4``;
 - ``pairwise``: no guard, the same hackable score judged in pairs (``digits_pairwise`` with
-  ``ink_weight=0.5``): each sample's reward is its win rate in its group (Pref-GRPO);
+  ``ink_weight=1.0``): each sample's reward is its win rate in its group (Pref-GRPO);
 - ``pairwise_ties``: the same with ``margin=0.05``: scores closer than 0.05 are a tie (0.5 to
   each side), as a judge that cannot tell two images apart answers.
 
@@ -35,8 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2)
 DOC = ROOT / "docs" / "reward_hacking.md"
 MAX_DROP = 0.02
+#: the weight of the hackable ink term (0.5 hacked too slowly to show in 40 steps: the docs' table
+#: of the settings tried)
+INK = 1.0
+#: a fall of the judge that counts as hacking in the report: about 1.5x the standard deviation
+#: of the difference of two 200-image evals at accuracy 0.85 (0.036), where the guard trips at
+#: MAX_DROP, within that noise, on purpose: it must trip early
+HACK_FALL = 0.05
 COMMON = (
-    "reward=digits:1.0,digits_ink:0.5",
+    f"reward=digits:1.0,digits_ink:{INK}",
     "eval.gold_reward=digits_judge",
     "optim.lr=5e-4",
     "sample.group_size=8",
@@ -59,10 +66,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
         "guard.on_rollback.optim.lr=1.0e-4",
         "guard.max_rollbacks=2",
     ),
-    "pairwise": ("reward=digits_pairwise", "reward.digits_pairwise.options.ink_weight=0.5"),
+    "pairwise": ("reward=digits_pairwise", f"reward.digits_pairwise.options.ink_weight={INK}"),
     "pairwise_ties": (
         "reward=digits_pairwise",
-        "reward.digits_pairwise.options.ink_weight=0.5",
+        f"reward.digits_pairwise.options.ink_weight={INK}",
         "reward.digits_pairwise.options.margin=0.05",
     ),
 }
@@ -134,6 +141,20 @@ def judge(r: dict) -> float:
     return float(r["eval/gold/digits_judge"])
 
 
+def largest_hack(curve: list[tuple[int, float, float]]) -> tuple[float, int, int]:
+    """The judge's largest fall below its best so far at an eval whose training reward is above
+    the reward at that best (the guard's rule, applied to a whole run): (fall, the best's step,
+    the fallen eval's step); (0.0, -1, -1) when the judge never fell while the reward rose.
+    ``curve``: (step, judge, eval reward) per eval."""
+    out, best = (0.0, -1, -1), None
+    for step, j, r in curve:
+        if best is None or j > best[1]:
+            best = (step, j, r)
+        elif r > best[2] and best[1] - j > out[0]:
+            out = (best[1] - j, best[0], step)
+    return out
+
+
 def first_step(rows: list[dict], target: float) -> int | None:
     """The first eval step whose judge accuracy reaches ``target`` (None: never)."""
     return next((int(r["step"]) for r in rows if judge(r) >= target), None)
@@ -158,6 +179,7 @@ def summarize(out: Path) -> dict:
             )
 
             after = [judge(r) for r in rows if r["step"] >= peak["step"]]
+            curve = [(int(r["step"]), judge(r), float(r["eval/reward_mean"])) for r in rows]
             res.setdefault(variant, {})[seed] = {
                 "peak": judge(peak),
                 "peak_step": int(peak["step"]),
@@ -174,7 +196,8 @@ def summarize(out: Path) -> dict:
                 "stopped_at": next(
                     (e["step"] for e in best.get("events", []) if e["action"] == "stop"), None
                 ),
-                "curve": [(int(r["step"]), judge(r), float(r["eval/reward_mean"])) for r in rows],
+                "hack": largest_hack(curve),
+                "curve": curve,
                 "retired": [(int(r["step"]), judge(r)) for r in retired(folder)],
             }
     return res
@@ -211,4 +234,16 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["COMMON", "SEEDS", "VARIANTS", "command", "main", "run", "statistics", "summarize"]
+__all__ = [
+    "COMMON",
+    "HACK_FALL",
+    "INK",
+    "SEEDS",
+    "VARIANTS",
+    "command",
+    "largest_hack",
+    "main",
+    "run",
+    "statistics",
+    "summarize",
+]

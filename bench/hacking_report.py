@@ -8,7 +8,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from bench.hacking import DOC, MAX_DROP, ROOT, SEEDS
+from bench.hacking import DOC, HACK_FALL, INK, ROOT, SEEDS
 
 BEGIN, END = "<!-- BEGIN hacking bench -->", "<!-- END hacking bench -->"
 FIGURE = ROOT / "docs" / "reward_hacking_curves.png"
@@ -42,7 +42,7 @@ def plot(res: dict, path: Path) -> None:
                 xs = sorted(r["retired"])
                 a.plot([x[0] for x in xs], [x[1] for x in xs], color=c, ls=":", alpha=0.6)
     a.set(xlabel="step", ylabel="judge accuracy (gold reward)", title="gold: the SVC judge")
-    b.set(xlabel="step", ylabel="eval reward (digits + 0.5 ink)", title="training reward")
+    b.set(xlabel="step", ylabel=f"eval reward (digits + {INK:g} ink)", title="training reward")
     a.legend()
     b.legend()
     fig.tight_layout()
@@ -78,29 +78,39 @@ def tables(res: dict) -> str:
     checks = []
     none = res.get("none", {})
     for seed, r in sorted(none.items()):
-        rose = r["reward_last"] > r["reward_at_peak"]
-        fell = r["fall"] >= MAX_DROP
+        fall, at, by = r["hack"]
+        rewards = {step: reward for step, _, reward in r["curve"]}
+        shown = fall >= HACK_FALL
+        episode = (
+            f"its largest fall while the eval reward rose: {fall:.3f} below its best so far "
+            f"(step {at} → {by}, reward {rewards[at]:.3f} → {rewards[by]:.3f})"
+            if by >= 0
+            else "it never fell while the eval reward rose"
+        )
         checks.append(
             f"- none, seed {seed}: judge peaks at step {r['peak_step']} ({r['peak']:.3f}) and "
             f"falls {r['fall']:.3f} by step {r['last_step']} while the reward goes "
-            f"{r['reward_at_peak']:.3f} → {r['reward_last']:.3f}: "
-            f"{'hacking shown' if rose and fell else 'NOT shown (yet)'}"
+            f"{r['reward_at_peak']:.3f} → {r['reward_last']:.3f}; {episode}: "
+            f"{'hacking shown' if shown else 'NOT shown'} (a fall ≥ {HACK_FALL:g})"
         )
     for variant in ("stop", "stop_patience2"):
         for seed, r in sorted(res.get(variant, {}).items()):
             ref = none.get(seed)
             if ref is None or r["best_gold"] is None:
                 continue
-            evals_after = (r["last_step"] - ref["peak_step"]) // 5
+            evals_after = (r["last_step"] - r["peak_step"]) // 5
             ended = (
                 f"stopped at step {r['stopped_at']}"
                 if r.get("stopped_at") is not None
                 else f"no trip, ran to step {r['last_step']}"
             )
             checks.append(
-                f"- {variant}, seed {seed}: {ended} ({evals_after} evals after the unguarded "
-                f"peak at {ref['peak_step']}); best checkpoint's judge {r['best_gold']:.3f} = "
-                f"{r['best_gold'] / ref['peak']:.3f}× the peak (target ≥ 0.98×, within 2 evals)"
+                f"- {variant}, seed {seed}: {ended} ({evals_after} evals after the judge's peak "
+                f"so far, {r['peak']:.3f} at step {r['peak_step']}); best checkpoint's judge "
+                f"{r['best_gold']:.3f} = {r['best_gold'] / r['peak']:.3f}× that peak (target "
+                f"≥ 0.98×, within 2 evals); the unguarded run's peak over all "
+                f"{ref['last_step']} steps: {ref['peak']:.3f} at step {ref['peak_step']} "
+                f"({r['best_gold'] / ref['peak']:.3f}×)"
             )
     for seed, r in sorted(res.get("rollback", {}).items()):
         ref = none.get(seed)
@@ -113,11 +123,12 @@ def tables(res: dict) -> str:
         )
     side = [
         "",
-        "| reward | judge ≥ 0.9 at step (median) | judge ≥ 0.95 | peak judge | fall after the peak |",
+        "| reward | judge ≥ 0.9 at step (median) | judge ≥ 0.95 | peak judge | fall after the peak "
+        "| largest fall while the reward rose |",
     ]
-    side.append("|---|---|---|---|---|")
+    side.append("|---|---|---|---|---|---|")
     names = {
-        "none": "pointwise (digits + 0.5 ink)",
+        "none": f"pointwise (digits + {INK:g} ink)",
         "pairwise": "pairwise (same score)",
         "pairwise_ties": "pairwise, ties within 0.05",
     }
@@ -129,7 +140,8 @@ def tables(res: dict) -> str:
             f"| {name} | {_med([r['to_0.9'] for r in seeds.values()], 'g')} | "
             f"{_med([r['to_0.95'] for r in seeds.values()], 'g')} | "
             f"{_med([r['peak'] for r in seeds.values()])} | "
-            f"{_med([r['fall'] for r in seeds.values()])} |"
+            f"{_med([r['fall'] for r in seeds.values()])} | "
+            f"{_med([r['hack'][0] for r in seeds.values()])} |"
         )
     return "\n".join(lines + [""] + checks + side)
 
