@@ -93,6 +93,18 @@ ROWS = (
         ),
         "TreeGRPO tree: every window step splits into 2 (16 leaves), log-prob backup",
     ),
+    Row(
+        "flow_grpo_off_policy",
+        "flow_grpo",
+        ("trainer.off_policy_steps=1",),
+        "Flow-GRPO, one-step-off-policy rollouts (sequential), the preset's clip 1e-4",
+    ),
+    Row(
+        "flow_grpo_off_policy_clip",
+        "flow_grpo",
+        ("trainer.off_policy_steps=1", "flow_grpo.clip_range=1.0e-2"),
+        "Flow-GRPO, one-step-off-policy rollouts (sequential), clip 1e-2",
+    ),
 )
 ALGORITHMS = tuple(r.key for r in ROWS)  # the table's rows, in order
 

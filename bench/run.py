@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         default="rollout,batched_cfg,training,zero_advantage,sharding,sp,memory,toy,algorithms,"
         "rewards",
         help="comma-separated subset of rollout,batched_cfg,training,zero_advantage,sharding,"
-        "sp,memory,toy,algorithms,rewards, or hacking (not by default: 12 toy runs, "
+        "sp,memory,toy,algorithms,rewards, or hacking (not by default: 18 toy runs, "
         "docs/reward_hacking.md)",
     )
     parser.add_argument(
