@@ -11,42 +11,27 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.config import ConfigError, load_config
+from flowgrpo.testing.families import double, kinds, params
 
-# The published configs' numbers (hub config.json files of each family), written by hand: an
-# independent reference for the rules, and no weights at all.
-FAMILIES = {
-    "sd3": (
-        "StableDiffusion3Pipeline",
-        {"block_out_channels": [128, 256, 512, 512]},  # VAE factor 8
-        {"patch_size": 2},
-    ),
-    "flux": ("FluxPipeline", {"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 1}),
-    "qwen": ("QwenImagePipeline", {"temperal_downsample": [False, True, True]}, {}),
-    "wan": (
-        "WanPipeline",
-        {"temperal_downsample": [False, True, True]},  # spatial 8, temporal 4
-        {"patch_size": [1, 2, 2], "rope_max_seq_len": 1024},
-    ),
-}
+#: the families whose test double states its published checkpoint's size rule
+PUBLISHED = kinds(lambda f: f.published is not None)
 
 
-def model_dir(root: Path, family: str) -> Path:
-    cls, vae, transformer = FAMILIES[family]
-    d = root / family
-    for name, conf in (("vae", vae), ("transformer", transformer)):
+def model_dir(root: Path, kind: str) -> Path:
+    """A model folder of ``kind``'s published config numbers (``Family.published``): config
+    files only, no weights."""
+    fam = double(kind)
+    d = root / kind
+    for name, conf in (("vae", fam.published.vae), ("transformer", fam.published.transformer)):
         (d / name).mkdir(parents=True)
         (d / name / "config.json").write_text(json.dumps(conf))
-    (d / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+    (d / "model_index.json").write_text(json.dumps({"_class_name": fam.pipeline_class}))
     return d
 
 
-# the shipped preset made for each family (a preset refuses another family's pipeline)
-PRESETS = {
-    "sd3": "sd3-ocr",
-    "flux": "flux-pickscore",
-    "qwen": "qwen-image-ocr",
-    "wan": "wan-t2v-ocr",
-}
+def preset(kind: str) -> str:
+    """The shipped preset made for ``kind`` (a preset refuses another family's pipeline)."""
+    return double(kind).published.preset
 
 
 def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") -> str:
@@ -57,8 +42,27 @@ def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") 
     return message
 
 
+@pytest.mark.parametrize("kind", params(PUBLISHED))
+def test_a_side_off_the_published_rule_is_a_config_error(tmp_path, kind) -> None:
+    rule = double(kind).published
+    path = model_dir(tmp_path, kind)  # config files only: there is no weight to load
+    for side in ("height", "width"):
+        bad = 32 * rule.multiple + rule.multiple // 2
+        msg = error(f"model.path={path}", f"model.{side}={bad}", preset=rule.preset)
+        assert f"'model.{side}' must be a positive multiple of {rule.multiple} for {rule.name}" in (
+            msg
+        )
+
+
+@pytest.mark.parametrize("kind", params(PUBLISHED))
+def test_published_sizes_pass(tmp_path, kind) -> None:
+    rule = double(kind).published
+    load_config(rule.preset, [f"model.path={model_dir(tmp_path, kind)}", *rule.valid],
+                command="sample")  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "family, overrides, expected",
+    "kind, overrides, expected",
     [
         (
             "sd3",
@@ -72,8 +76,6 @@ def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") 
             "config key 'model.width' must be a positive multiple of 16 for FLUX "
             "(VAE 8 x 2x2 packing), got 22",
         ),
-        ("qwen", ["model.height=520"], "multiple of 16 for Qwen-Image"),
-        ("wan", ["model.height=100"], "config key 'model.height' must be a positive multiple"),
         (
             "wan",
             ["model.height=480", "model.width=832", "model.num_frames=100001"],
@@ -91,21 +93,11 @@ def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") 
         ),
     ],
 )
-def test_sizes_are_checked_against_the_family_before_loading(
-    tmp_path, family, overrides, expected
-) -> None:
-    path = model_dir(tmp_path, family)  # config files only: there is no weight to load
-    assert expected in error(f"model.path={path}", *overrides, preset=PRESETS[family])
-
-
-def test_valid_sizes_pass(tmp_path) -> None:
-    for family, overrides in (
-        ("sd3", ["model.height=512", "model.width=768"]),
-        ("flux", ["model.height=1024", "model.width=1024"]),
-        ("wan", ["model.height=480", "model.width=832", "model.num_frames=81"]),
-    ):
-        load_config(PRESETS[family], [f"model.path={model_dir(tmp_path, family)}", *overrides],
-                    command="sample")  # fmt: skip
+def test_each_rules_own_message(tmp_path, kind, overrides, expected) -> None:
+    """The whole message where a family's rule says more than its multiple: the factors it
+    comes from, a video's frames, frames asked of an image model."""
+    assert expected in error(f"model.path={model_dir(tmp_path, kind)}", *overrides,
+                             preset=preset(kind))  # fmt: skip
 
 
 def test_flux_adapter_refuses_a_size_it_would_round() -> None:

@@ -19,6 +19,23 @@ TIERS = ("core", "fast", "slow")
 
 
 @dataclass(frozen=True)
+class PublishedSizes:
+    """A family's size rule as its published checkpoint states it, checked without weights
+    (tests/config/test_config_sizes.py): the numbers of the hub's ``vae`` and ``transformer``
+    config.json files that the adapter's ``size_rule`` reads, the shipped ``preset`` made for
+    the family, and what the rule must then say, written by hand from the model card (an
+    independent reference): a side must be a multiple of ``multiple`` pixels, the error names
+    the family ``name``, and ``valid`` (overrides of a published size) passes."""
+
+    vae: dict[str, Any]
+    transformer: dict[str, Any]
+    preset: str
+    multiple: int
+    name: str
+    valid: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class SequenceParallelCase:
     """How the sequence-parallel tests (tests/engine/sp_ranks.py, sp_train_ranks.py) drive a
     family that runs under SP (``flowgrpo.testing.families.sequence_parallel``); the defaults
@@ -91,7 +108,8 @@ class Family:
     config its adapter's ``size_rule`` reads (``tiny_size``); ``tier``: one of ``TIERS``, the
     cost of its rows (``flowgrpo.testing.families``, the one place that acts on it);
     ``saves``: False for a double ``save_pretrained`` cannot write; ``sp``: how the
-    sequence-parallel tests drive it (a family that runs under SP).
+    sequence-parallel tests drive it (a family that runs under SP); ``published``: its
+    published checkpoint's size rule (``PublishedSizes``), where the size tests check it.
     """
 
     kind: str
@@ -133,6 +151,7 @@ class Family:
     tier: str = "fast"
     sp: SequenceParallelCase = field(default_factory=SequenceParallelCase)
     saves: bool = True  # False: the double cannot be saved (a component diffusers can't write)
+    published: PublishedSizes | None = None
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

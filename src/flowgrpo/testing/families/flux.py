@@ -16,7 +16,7 @@ from flowgrpo.testing.families._parts import (
     t5_encoder,
     t5_tokenizer,
 )
-from flowgrpo.testing.family import Family, SequenceParallelCase
+from flowgrpo.testing.family import Family, PublishedSizes, SequenceParallelCase
 
 #: black-forest-labs/FLUX.1-dev's scheduler config
 SCHEDULER: dict[str, Any] = {
@@ -84,5 +84,13 @@ DOUBLES = (
         tier="core",  # every algorithm x LoRA/full runs on it
         transformer=TRANSFORMER,
         vae=KL_VAE,
+        published=PublishedSizes(  # black-forest-labs/FLUX.1-dev: VAE 8 x 2x2 packing
+            vae={"block_out_channels": [128, 256, 512, 512]},
+            transformer={"patch_size": 1},
+            preset="flux-pickscore",
+            multiple=16,
+            name="FLUX",
+            valid=("model.height=1024", "model.width=1024"),
+        ),
     ),
 )

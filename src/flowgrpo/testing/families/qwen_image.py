@@ -17,7 +17,7 @@ from flowgrpo.testing.families._parts import (
     qwen25_vl_vision_config,
     qwen_tokenizer,
 )
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, PublishedSizes
 
 #: Qwen/Qwen-Image's scheduler/scheduler_config.json
 SCHEDULER: dict[str, Any] = {
@@ -112,5 +112,13 @@ DOUBLES = (
         tier="core",  # every algorithm x LoRA/full runs on it
         transformer=TRANSFORMER,
         vae=VAE,
+        published=PublishedSizes(  # Qwen/Qwen-Image: VAE 8 (3 downsamples) x patch 2
+            vae={"temperal_downsample": [False, True, True]},
+            transformer={},
+            preset="qwen-image-ocr",
+            multiple=16,
+            name="Qwen-Image",
+            valid=("model.height=1328", "model.width=1328"),
+        ),
     ),
 )

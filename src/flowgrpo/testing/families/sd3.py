@@ -17,7 +17,7 @@ from flowgrpo.testing.families._parts import (
     t5_encoder,
     t5_tokenizer,
 )
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, PublishedSizes
 
 #: stabilityai/stable-diffusion-3.5-medium's scheduler config (and SD3-medium's)
 SCHEDULER: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
@@ -86,5 +86,13 @@ DOUBLES = (
         tier="core",  # every algorithm x LoRA/full runs on it
         transformer=TRANSFORMER,
         vae=KL_VAE,
+        published=PublishedSizes(  # stabilityai/stable-diffusion-3.5-medium: VAE 8 x patch 2
+            vae={"block_out_channels": [128, 256, 512, 512]},
+            transformer={"patch_size": 2},
+            preset="sd3-ocr",
+            multiple=16,
+            name="SD3",
+            valid=("model.height=512", "model.width=768"),
+        ),
     ),
 )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from flowgrpo.testing.families._parts import t5_config, t5_tokenizer
-from flowgrpo.testing.family import Family
+from flowgrpo.testing.family import Family, PublishedSizes
 
 #: Wan-AI/Wan2.1-T2V-*-Diffusers ship UniPC with flow_shift 3.0 (480p); the Euler equivalent
 SCHEDULER: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
@@ -120,6 +120,14 @@ _WAN = Family(
     build=build,
     transformer=TRANSFORMER,
     vae=VAE,
+    published=PublishedSizes(  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: spatial 8, temporal 4
+        vae={"temperal_downsample": [False, True, True]},
+        transformer={"patch_size": [1, 2, 2], "rope_max_seq_len": 1024},
+        preset="wan-t2v-ocr",
+        multiple=16,
+        name="Wan",
+        valid=("model.height=480", "model.width=832", "model.num_frames=81"),
+    ),
 )
 DOUBLES = (
     _WAN,
