@@ -73,3 +73,33 @@ def test_a_reward_model_without_a_path_is_counted_and_said():
     # CLIP ViT-H/14 in fp32: bench/results_cuda.json measured 3.674 GiB of weights (H200)
     assert plan.parts["reward models"] / 2**30 == pytest.approx(3.674, abs=0.01)
     assert any("assumed PickScore_v1" in n for n in plan.notes)
+
+
+def test_gold_and_eval_reward_models_are_counted_with_the_trained_ones():
+    """The trainer builds ``reward``, ``eval_reward`` and ``eval.gold_reward`` at the start,
+    each on the run's device (trainer/run.py): the plan counts all three, and says which path
+    it assumed for each in that section's own keys."""
+    from flowgrpo.config import load_config
+    from flowgrpo.planner import plan_memory
+
+    over = ["model.path=known:z-image"]
+    cfg = load_config("z-image-pickscore", over, check_paths=False)
+    assert {s.name for s in cfg.eval.gold_reward} == {"hpsv2", "aesthetic"}  # the preset's
+    with_gold = plan_memory(cfg, 8, 80)
+    alone = plan_memory(
+        load_config("z-image-pickscore", [*over, "eval.gold_reward=[]"], check_paths=False), 8, 80
+    )
+    params = with_gold.params
+    # HPSv2.1 is a CLIP ViT-H/14 like PickScore: the same 986M parameters
+    assert params["reward:eval.gold_reward.hpsv2"] == params["reward:pickscore"]
+    assert params["reward:eval.gold_reward.hpsv2"] == pytest.approx(986.1e6, rel=1e-3)
+    # the aesthetic score: CLIP ViT-L/14 (427.6M) and its MLP head (0.92M)
+    assert params["reward:eval.gold_reward.aesthetic"] == pytest.approx(428.5e6, rel=1e-3)
+    gold = params["reward:eval.gold_reward.hpsv2"] + params["reward:eval.gold_reward.aesthetic"]
+    added = with_gold.parts["reward models"] - alone.parts["reward models"]
+    assert added == 4 * gold  # fp32, whole on every GPU
+    assert with_gold.total - alone.total == pytest.approx(added)
+    assert any("(eval.gold_reward.hpsv2.options.path)" in n for n in with_gold.notes)
+    cfg = load_config("sd3-ocr", ["model.path=known:sd3.5-medium", "eval_reward=clip_score"],
+                      check_paths=False)  # fmt: skip
+    assert "reward:eval_reward.clip_score" in plan_memory(cfg, 1, 80).params

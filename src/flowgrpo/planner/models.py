@@ -143,11 +143,15 @@ def _reward_defaults(name: str) -> dict[str, Any]:
     return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
 
-def reward_models(specs: Any, run_device: str) -> list[tuple[str, int, int, str, str]]:
-    """Per reward of ``specs`` that holds a model on the run's GPUs: (label, parameters,
-    bytes per parameter, device, what was assumed). A reward whose options give a local
-    ``path`` (``clip_path`` for aesthetic) is sized from that folder's config.json; without one,
-    from the model it is made for (``REWARD_MODELS``), said so."""
+def reward_models(
+    specs: Any, run_device: str, section: str = "reward"
+) -> list[tuple[str, int, int, str, str]]:
+    """Per reward of ``specs`` (the config list ``section``: ``reward``, ``eval_reward`` or
+    ``eval.gold_reward``) that holds a model on the run's GPUs: (label, parameters, bytes per
+    parameter, device, what was assumed); the label is the reward's, prefixed with its section
+    outside ``reward``. A reward whose options give a local ``path`` (``clip_path`` for
+    aesthetic) is sized from that folder's config.json; without one, from the model it is made
+    for (``REWARD_MODELS``), said so."""
     from flowgrpo.rewards.clip import _DTYPES
 
     out = []
@@ -155,13 +159,14 @@ def reward_models(specs: Any, run_device: str) -> list[tuple[str, int, int, str,
         name = spec.name
         if name not in REWARD_MODELS and name not in UNSIZED:
             continue
+        label = spec.label if section == "reward" else f"{section}.{spec.label}"
         defaults = _reward_defaults(name)
         opts = dict(spec.options or {})
         device = str(opts.get("device") or (run_device if "device" in defaults else "cpu"))
         dtype = str(opts.get("dtype") or defaults.get("dtype", "float32"))
         nbytes = _DTYPES[dtype].itemsize if dtype in _DTYPES else 4
         if name in UNSIZED:
-            out.append((spec.label, 0, nbytes, device, f"{name}: model size unknown, counted 0"))
+            out.append((label, 0, nbytes, device, f"{label}: model size unknown, counted 0"))
             continue
         set_name, what = REWARD_MODELS[name]
         path = opts.get("clip_path" if name == "aesthetic" else "path")
@@ -172,15 +177,15 @@ def reward_models(specs: Any, run_device: str) -> list[tuple[str, int, int, str,
             cfg_file = Path(str(path)) / "config.json"
             if cfg_file.is_file():
                 config = json.loads(cfg_file.read_text())
-                assumed = f"{spec.label}: {cfg_file}"
+                assumed = f"{label}: {cfg_file}"
         if config is None:
             config = reward_config_set(set_name)["config"]
             assumed = (
-                f"{spec.label}: no model path given (reward.{spec.label}.options.path): "
+                f"{label}: no model path given ({section}.{spec.label}.options.path): "
                 f"assumed {what} ({set_name}), {dtype}"
             )
         n = component_counts("transformers", "CLIPModel", config)[0]
         if name == "aesthetic":
             n += 768 * 1024 + 1024 + 1024 * 128 + 128 + 128 * 64 + 64 + 64 * 16 + 16 + 16 + 1
-        out.append((spec.label, n, nbytes, device, assumed))
+        out.append((label, n, nbytes, device, assumed))
     return out

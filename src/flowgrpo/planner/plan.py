@@ -18,7 +18,9 @@ fsdp.replicate_degree ranks:
   prefetched);
 - frozen components: the text encoders (0 once every prompt is in the embedding cache and
   ``model.text_encoder_offload`` is cpu/free; quantized with the base), the VAE, and the
-  reward models on the run's device (``planner.models.reward_models``), whole on every GPU;
+  reward models on the run's device (``planner.models.reward_models``: the trained rewards',
+  ``eval_reward``'s and ``eval.gold_reward``'s, each resident from the start), whole on every
+  GPU;
 - the CUDA context, cuBLAS workspace and NCCL buffers (``CUDA_OVERHEAD_MIB``, measured);
 - activations of one training micro-batch from each block's Linear widths x the tokens each
   Linear sees (AdaLN modulation on one vector; cross-attended text at the prompt's tokens;
@@ -346,7 +348,13 @@ def plan_memory(cfg: Any, gpus: int, gpu_gb: float, *, device: str = "cuda") -> 
     other = sum(n for k, (n, _, _) in frozen.items() if not k.startswith("text_encoder"))
     parts["frozen text encoders"] = 0.0 if released else text
     parts["frozen VAE etc."] = other * wbytes
-    rewards = reward_models(list(cfg.reward), device)
+    # every reward the run builds holds its model from the start (trainer/run.py): the trained
+    # ones, the eval-only ones and the gold ones
+    rewards = [
+        *reward_models(list(cfg.reward), device),
+        *reward_models(list(cfg.eval_reward), device, "eval_reward"),
+        *reward_models(list(cfg.eval.gold_reward), device, "eval.gold_reward"),
+    ]
     on_device = [r for r in rewards if r[3] != "cpu" or device == "cpu"]
     parts["reward models"] = float(sum(n * b for _, n, b, _, _ in on_device))
     if device == "cuda":
