@@ -31,6 +31,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import reaches
+
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2)
 DOC = ROOT / "docs" / "reward_hacking.md"
@@ -157,7 +159,7 @@ def largest_hack(curve: list[tuple[int, float, float]]) -> tuple[float, int, int
 
 def first_step(rows: list[dict], target: float) -> int | None:
     """The first eval step whose judge accuracy reaches ``target`` (None: never)."""
-    return next((int(r["step"]) for r in rows if judge(r) >= target), None)
+    return next((int(r["step"]) for r in rows if reaches(judge(r), target)), None)
 
 
 def summarize(out: Path) -> dict:

@@ -120,6 +120,25 @@ def _toy_run(scale: float, reached: bool, seed: int) -> dict:
     return summarize_run(curve)
 
 
+def test_a_target_met_exactly_counts_though_logged_in_float32():
+    """475 of 500 images is 0.95: the trainer's float32 mean logs 0.949999988, which a plain
+    ``>= 0.95`` missed (five crossings of the 3-seed table were read 2-12 steps late)."""
+    import torch
+
+    from bench import reaches
+    from bench.algorithms import summarize_run
+
+    logged = float(torch.tensor([1.0] * 475 + [0.0] * 25).mean())
+    assert logged < 0.95 and reaches(logged, 0.95)
+    assert not reaches(474 / 500, 0.95)
+    curve = [
+        {"step": s, "train_s": 2.0 * s, "images": 160 * s, "accuracy": a, "judge_accuracy": a,
+         "diversity": 0.2}
+        for s, a in ((0, 0.6), (2, 0.9), (4, logged), (6, 0.97))
+    ]  # fmt: skip
+    assert summarize_run(curve)["time_to_target_s"] == 8.0  # step 4, not step 6
+
+
 def test_algorithms_summary_is_median_and_range_over_seeds():
     """Crossing, medians, ranges, the common budget and the ratio to Flow-GRPO, by hand."""
     from bench.algorithms import summarize
