@@ -145,15 +145,17 @@ def judge(r: dict) -> float:
 
 def largest_hack(curve: list[tuple[int, float, float]]) -> tuple[float, int, int]:
     """The judge's largest fall below its best so far at an eval whose training reward is above
-    the reward at that best (the guard's rule, applied to a whole run): (fall, the best's step,
-    the fallen eval's step); (0.0, -1, -1) when the judge never fell while the reward rose.
-    ``curve``: (step, judge, eval reward) per eval."""
-    out, best = (0.0, -1, -1), None
-    for step, j, r in curve:
-        if best is None or j > best[1]:
-            best = (step, j, r)
-        elif r > best[2] and best[1] - j > out[0]:
-            out = (best[1] - j, best[0], step)
+    the reward at that best: the guard's own rule (``trainer.guard.check``, any drop) at each
+    eval of a whole run. (fall, the best's step, the fallen eval's step); (0.0, -1, -1) when the
+    judge never fell while the reward rose. ``curve``: (step, judge, eval reward) per eval."""
+    from flowgrpo.trainer import guard
+
+    record, out = guard.new_record(), (0.0, -1, -1)
+    for step, judge_accuracy, reward in curve:
+        guard.record_eval(record, step, reward, judge_accuracy)
+        trip = guard.check(record, 0.0)
+        if trip is not None and trip.drop > out[0]:
+            out = (trip.drop, trip.peak.step, trip.now.step)
     return out
 
 
