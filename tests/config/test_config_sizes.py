@@ -5,12 +5,14 @@ under a log-prob algorithm."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
 from flowgrpo.config import ConfigError, load_config
+from flowgrpo.config.shipped import preset_pipelines
 from flowgrpo.testing.families import double, kinds, params
 
 #: the families whose test double states its published checkpoint's size rule
@@ -29,9 +31,13 @@ def model_dir(root: Path, kind: str) -> Path:
     return d
 
 
-def preset(kind: str) -> str:
-    """The shipped preset made for ``kind`` (a preset refuses another family's pipeline)."""
-    return double(kind).published.preset
+def presets(kind: str) -> list[str]:
+    """The shipped presets made for ``kind``'s pipeline (their ``made_for``; a preset refuses
+    another family's pipeline)."""
+    cls = double(kind).pipeline_class
+    made_for = [name for name, classes in sorted(preset_pipelines().items()) if cls in classes]
+    assert made_for, f"no shipped preset is made for {cls}"
+    return made_for
 
 
 def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") -> str:
@@ -46,9 +52,9 @@ def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") 
 def test_a_side_off_the_published_rule_is_a_config_error(tmp_path, kind) -> None:
     rule = double(kind).published
     path = model_dir(tmp_path, kind)  # config files only: there is no weight to load
-    for side in ("height", "width"):
+    for preset, side in itertools.product(presets(kind), ("height", "width")):
         bad = 32 * rule.multiple + rule.multiple // 2
-        msg = error(f"model.path={path}", f"model.{side}={bad}", preset=rule.preset)
+        msg = error(f"model.path={path}", f"model.{side}={bad}", preset=preset)
         assert f"'model.{side}' must be a positive multiple of {rule.multiple} for {rule.name}" in (
             msg
         )
@@ -57,8 +63,9 @@ def test_a_side_off_the_published_rule_is_a_config_error(tmp_path, kind) -> None
 @pytest.mark.parametrize("kind", params(PUBLISHED))
 def test_published_sizes_pass(tmp_path, kind) -> None:
     rule = double(kind).published
-    load_config(rule.preset, [f"model.path={model_dir(tmp_path, kind)}", *rule.valid],
-                command="sample")  # fmt: skip
+    path = model_dir(tmp_path, kind)
+    for preset in presets(kind):
+        load_config(preset, [f"model.path={path}", *rule.valid], command="sample")
 
 
 @pytest.mark.parametrize(
@@ -97,7 +104,7 @@ def test_each_rules_own_message(tmp_path, kind, overrides, expected) -> None:
     """The whole message where a family's rule says more than its multiple: the factors it
     comes from, a video's frames, frames asked of an image model."""
     assert expected in error(f"model.path={model_dir(tmp_path, kind)}", *overrides,
-                             preset=preset(kind))  # fmt: skip
+                             preset=presets(kind)[0])  # fmt: skip
 
 
 def test_flux_adapter_refuses_a_size_it_would_round() -> None:

@@ -21,15 +21,14 @@ TIERS = ("core", "fast", "slow")
 @dataclass(frozen=True)
 class PublishedSizes:
     """A family's size rule as its published checkpoint states it, checked without weights
-    (tests/config/test_config_sizes.py): the numbers of the hub's ``vae`` and ``transformer``
-    config.json files that the adapter's ``size_rule`` reads, the shipped ``preset`` made for
-    the family, and what the rule must then say, written by hand from the model card (an
-    independent reference): a side must be a multiple of ``multiple`` pixels, the error names
-    the family ``name``, and ``valid`` (overrides of a published size) passes."""
+    under every shipped preset made for the family (tests/config/test_config_sizes.py): the
+    numbers of the hub's ``vae`` and ``transformer`` config.json files that the adapter's
+    ``size_rule`` reads, and what the rule must then say, written by hand from the model card
+    (an independent reference): a side must be a multiple of ``multiple`` pixels, the error
+    names the family ``name``, and ``valid`` (overrides of a published size) passes."""
 
     vae: dict[str, Any]
     transformer: dict[str, Any]
-    preset: str
     multiple: int
     name: str
     valid: tuple[str, ...]

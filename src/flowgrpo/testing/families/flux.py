@@ -87,7 +87,6 @@ DOUBLES = (
         published=PublishedSizes(  # black-forest-labs/FLUX.1-dev: VAE 8 x 2x2 packing
             vae={"block_out_channels": [128, 256, 512, 512]},
             transformer={"patch_size": 1},
-            preset="flux-pickscore",
             multiple=16,
             name="FLUX",
             valid=("model.height=1024", "model.width=1024"),

@@ -115,7 +115,6 @@ DOUBLES = (
         published=PublishedSizes(  # Qwen/Qwen-Image: VAE 8 (3 downsamples) x patch 2
             vae={"temperal_downsample": [False, True, True]},
             transformer={},
-            preset="qwen-image-ocr",
             multiple=16,
             name="Qwen-Image",
             valid=("model.height=1328", "model.width=1328"),

@@ -89,7 +89,6 @@ DOUBLES = (
         published=PublishedSizes(  # stabilityai/stable-diffusion-3.5-medium: VAE 8 x patch 2
             vae={"block_out_channels": [128, 256, 512, 512]},
             transformer={"patch_size": 2},
-            preset="sd3-ocr",
             multiple=16,
             name="SD3",
             valid=("model.height=512", "model.width=768"),

@@ -123,7 +123,6 @@ _WAN = Family(
     published=PublishedSizes(  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: spatial 8, temporal 4
         vae={"temperal_downsample": [False, True, True]},
         transformer={"patch_size": [1, 2, 2], "rope_max_seq_len": 1024},
-        preset="wan-t2v-ocr",
         multiple=16,
         name="Wan",
         valid=("model.height=480", "model.width=832", "model.num_frames=81"),
