@@ -50,6 +50,13 @@ CONFIGS = {  # name -> extra overrides
     "full-kl": ["lora.enabled=false", "flow_grpo.kl_beta=0.04"],
     # a CLIP reward model on the device (a small CLIPModel saved beside the pipeline)
     "lora-clip": ["lora.enabled=true", "lora.rank=8", "flow_grpo.kl_beta=0.0"],
+    # the frozen base's Linear weights (and the text encoders') stored in NF4 (engine.quant)
+    "lora-nf4": [
+        "lora.enabled=true",
+        "lora.rank=8",
+        "flow_grpo.kl_beta=0.0",
+        "model.base_quant=nf4",
+    ],
 }
 #: a small CLIP (2 x 2 layers of width 512): its 13M fp32 parameters are a visible share
 CLIP = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8)
