@@ -14,7 +14,9 @@ Per row, over the seeds: the median and range of the time and of the images gene
 judge accuracy first reaches ``TARGET``; the judge − reward-accuracy gap and the diversity
 there; the judge accuracy at a common time budget (the shortest 40-step run of all); the final
 values at the last step. ``write_report`` puts the table and the plot (judge accuracy against
-time, median and range) into docs/algorithms.md.
+time, median and range) into docs/algorithms.md. ``python -m bench.algorithms`` re-reads the
+stored curves; ``python -m bench.algorithms shares`` measures where each row's step goes
+(rollout / reward / update) and adds the table of what 0.2x Flow-GRPO's time would take.
 """
 
 from __future__ import annotations
@@ -162,9 +164,9 @@ def quiet_step_s(row: Row, out: Path, steps: int = 5) -> float:
     return quiet_costs(row, out, steps)[0]
 
 
-def quiet_costs(row: Row, out: Path, steps: int = 5) -> tuple[float, float]:
-    """(``quiet_step_s``, the CPU time of one sample's rollout and reward in those steps: the
-    step's CPU time x the rollout's and reward's share of its wall time / the samples)."""
+def _short_run(row: Row, out: Path, steps: int) -> list[dict]:
+    """The metrics of steps 2..``steps`` of a short run of ``row`` (evals only at steps 0 and
+    last, outside the steps' time; a refill row without refill)."""
     from flowgrpo.trainer.logging import read_jsonl
 
     args = [sys.executable, "-m", "flowgrpo", "train", "toy-digits", f"algorithm={row.algorithm}"]
@@ -177,13 +179,35 @@ def quiet_costs(row: Row, out: Path, steps: int = 5) -> tuple[float, float]:
     child = subprocess.run(args, env=env, capture_output=True, text=True)
     if child.returncode:
         raise RuntimeError(f"{row.key}: exit {child.returncode}: {child.stderr[-2000:]}")
-    rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
+    return [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
+
+
+def quiet_costs(row: Row, out: Path, steps: int = 5) -> tuple[float, float]:
+    """(``quiet_step_s``, the CPU time of one sample's rollout and reward in those steps: the
+    step's CPU time x the rollout's and reward's share of its wall time / the samples)."""
+    rows = _short_run(row, out, steps)
     per_sample = [
         r["time/step_cpu_s"] * (r["time/rollout_s"] + r["time/reward_s"]) / r["time/step_s"]
         / (r["samples"] / r["step"])
         for r in rows
     ]  # fmt: skip
     return statistics.median(r["time/step_cpu_s"] for r in rows), statistics.median(per_sample)
+
+
+#: the parts of a step the trainer times (``time/<part>_s``): the rest of its wall time is
+#: "other" (the step's bookkeeping: advantages, logging, the optimizer's own step is in train)
+PARTS = ("rollout", "reward", "train")
+
+
+def step_shares(row: Row, out: Path, steps: int = 5) -> dict[str, float]:
+    """The median share of a step's wall time in each of ``PARTS`` and in the rest ("other"),
+    over steps 2..``steps`` of a short quiet run of ``row`` (one thread: wall ~ CPU time)."""
+    rows = _short_run(row, out, steps)
+    shares = {
+        p: statistics.median(r[f"time/{p}_s"] / r["time/step_s"] for r in rows) for p in PARTS
+    }
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
 
 
 def calibrate(rows: tuple[Row, ...], rounds: int = 2) -> dict[str, float]:
@@ -391,6 +415,53 @@ def median_band(curves: list[list[dict]], grid: list[float]) -> tuple[list, list
     return med, low, high
 
 
+def gap_rows(results: dict, target: float = 0.2) -> list[str]:
+    """docs/algorithms.md's table of where each row's step time goes and what ``target`` x
+    Flow-GRPO's time to the judge target would take: at the row's step cost, that many steps;
+    at the row's steps, that step cost. Needs ``results["step_shares"]`` (``measure_shares``)."""
+    summary, shares, step_s = results["summary"], results["step_shares"], results["step_s"]
+    budget = target * summary["flow_grpo"]["time_to_target_s"]["median"]
+    lines = [
+        f"| row | steps to judge {TARGET} (median) | CPU s/step | rollout / reward / update / "
+        f"other | × Flow-GRPO | {target:g}× needs: steps at this cost | or s/step at these "
+        "steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, sm in summary.items():
+        if key not in shares:
+            continue
+        t = sm["time_to_target_s"]["median"]
+        cost = step_s[key]
+        split = " / ".join(f"{shares[key][p] * cost:.2f}" for p in (*PARTS, "other"))
+        ratio = sm["time_to_target_over_flow_grpo"]
+        steps = None if t is None else t / cost
+        lines.append(
+            f"| `{key}` | {'—' if steps is None else f'{steps:.0f}'} | {cost:.2f} | {split} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}'} | {budget / cost:.1f} | "
+            f"{'—' if steps is None else f'{budget / steps:.2f}'} |"
+        )
+    return lines
+
+
+def measure_shares(path: Path = ROOT / "bench" / "results.json") -> dict[str, dict]:
+    """Each stored row's step split (``step_shares``, one quiet short run per row) into
+    ``path``'s results and docs/algorithms.md (``python -m bench.algorithms shares``)."""
+    import json
+
+    results = json.loads(path.read_text())
+    algos = results["algorithms"]
+    shares = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in ROWS:
+            if row.key in algos["runs"]:
+                shares[row.key] = step_shares(row, Path(tmp) / row.key)
+                print(f"shares: {row.key} {shares[row.key]}", file=sys.stderr, flush=True)
+    algos["step_shares"] = shares
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    write_report(algos)
+    return shares
+
+
 def write_report(results: dict, doc: Path = ROOT / "docs" / "algorithms.md") -> None:
     """The table and the plot (docs/algorithms_toy.png) between the report markers of ``doc``."""
     import matplotlib
@@ -454,14 +525,22 @@ def write_report(results: dict, doc: Path = ROOT / "docs" / "algorithms.md") -> 
             f"{fmt(s['judge_at_budget'])} | {final} |"
         )
     table = "\n".join(lines)
-    text = doc.read_text()
-    start, stop = "<!-- toy comparison: start -->", "<!-- toy comparison: end -->"
-    body = f"{start}\n{table}\n\n![toy comparison](algorithms_toy.png)\n{stop}"
-    if start in text:
-        text = text[: text.index(start)] + body + text[text.index(stop) + len(stop) :]
-    else:
-        text += "\n" + body + "\n"
+    text = _between(
+        doc.read_text(), "toy comparison", f"{table}\n\n![toy comparison](algorithms_toy.png)"
+    )
+    if "step_shares" in results:
+        text = _between(text, "toy gap", "\n".join(gap_rows(results)))
     doc.write_text(text)
+
+
+def _between(text: str, name: str, body: str) -> str:
+    """``text`` with ``body`` between its ``<!-- name: start/end -->`` markers (appended, with
+    them, where they are missing)."""
+    start, stop = f"<!-- {name}: start -->", f"<!-- {name}: end -->"
+    body = f"{start}\n{body}\n{stop}"
+    if start in text:
+        return text[: text.index(start)] + body + text[text.index(stop) + len(stop) :]
+    return text + "\n" + body + "\n"
 
 
 def resummarize(path: Path = ROOT / "bench" / "results.json") -> dict[str, object]:
@@ -477,15 +556,17 @@ def resummarize(path: Path = ROOT / "bench" / "results.json") -> dict[str, objec
     results["algorithms"] = finish(
         old["runs"], old["step_s"], rows, tuple(old["seeds"]), old["steps"], old["eval_every"]
     )
+    if "step_shares" in old:  # measured apart (measure_shares): kept
+        results["algorithms"]["step_shares"] = old["step_shares"]
     results["targets"] = check_targets(results)
     path.write_text(json.dumps(results, indent=2) + "\n")
     write_report(results["algorithms"])
     return results["algorithms"]
 
 
-if __name__ == "__main__":  # python -m bench.algorithms: re-read the stored runs
-    resummarize()
+if __name__ == "__main__":  # python -m bench.algorithms [shares]: re-read the stored runs
+    measure_shares() if sys.argv[1:] == ["shares"] else resummarize()
 
 
-__all__ = ["ALGORITHMS", "ROWS", "Row", "bench_algorithms", "calibrate", "finish",
-           "resummarize", "summarize", "write_report"]  # fmt: skip
+__all__ = ["ALGORITHMS", "ROWS", "Row", "bench_algorithms", "calibrate", "finish", "gap_rows",
+           "measure_shares", "resummarize", "step_shares", "summarize", "write_report"]  # fmt: skip

@@ -208,3 +208,21 @@ def test_algorithms_time_is_step_times_the_quiet_step():
     assert out["budget_s"] == 20.0  # mix_grpo's step 40 x 0.5 s
     assert out["best"]["row"] == "mix_grpo"
     assert out["best"]["time_to_target_over_flow_grpo"] == 0.25
+
+
+def test_algorithms_gap_table_splits_the_step_and_prices_the_target():
+    """gap_rows: each row's quiet step cost split by its measured shares, its steps to the
+    target (time / step cost), and what 0.2x Flow-GRPO's time would take, worked by hand."""
+    from bench.algorithms import ROWS, finish, gap_rows
+
+    rows = (ROWS[0], ROWS[1])
+    runs = {r.key: [_toy_run(9.0, True, s) for s in range(2)] for r in rows}
+    out = finish(runs, {"flow_grpo": 2.0, "mix_grpo": 0.5}, rows, (0, 1), 40, 5)
+    shares = {"rollout": 0.25, "reward": 0.05, "train": 0.6, "other": 0.1}
+    out["step_shares"] = {"flow_grpo": shares, "mix_grpo": shares}
+    lines = gap_rows(out)
+    assert len(lines) == 4 and lines[1].startswith("|---")
+    # Flow-GRPO: step 35 x 2 s = 70 s; 0.2x = 14 s: 7 steps at 2 s, or 0.40 s/step at 35 steps
+    assert lines[2] == "| `flow_grpo` | 35 | 2.00 | 0.50 / 0.10 / 1.20 / 0.20 | 1.00 | 7.0 | 0.40 |"
+    # MixGRPO: step 35 x 0.5 s = 17.5 s (0.25x): 28 steps at 0.5 s, or 0.40 s/step at 35
+    assert lines[3] == "| `mix_grpo` | 35 | 0.50 | 0.12 / 0.03 / 0.30 / 0.05 | 0.25 | 28.0 | 0.40 |"

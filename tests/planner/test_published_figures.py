@@ -130,3 +130,15 @@ def test_gold_and_eval_reward_models_are_counted_with_the_trained_ones():
     cfg = load_config("sd3-ocr", ["model.path=known:sd3.5-medium", "eval_reward=clip_score"],
                       check_paths=False)  # fmt: skip
     assert "reward:eval_reward.clip_score" in plan_memory(cfg, 1, 80).params
+
+
+def test_docs_memory_shows_the_figures_as_planned_now():
+    """docs/memory.md's published-vs-planned table is ``docs_rows()`` pasted: a planner change
+    that moves a figure must regenerate it (``python -m flowgrpo.planner.advice``)."""
+    from pathlib import Path
+
+    from flowgrpo.planner.published import docs_rows
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
+    stale = [row for row in docs_rows() if row not in doc]
+    assert not stale, "docs/memory.md is stale; now: " + stale[0]

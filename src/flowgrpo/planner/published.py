@@ -70,9 +70,10 @@ def predicted_gib(figure: Figure, plan: Plan | None = None) -> float:
     return plan.total / GIB
 
 
-def check(figure: Figure) -> tuple[bool, str]:
-    """(whether the prediction meets the figure, one line saying so)."""
-    plan = plan_figure(figure)
+def check(figure: Figure, plan: Plan | None = None) -> tuple[bool, str]:
+    """(whether the prediction meets the figure, one line saying so); ``plan``: its plan, if
+    already made."""
+    plan = plan or plan_figure(figure)
     got = predicted_gib(figure, plan)
     if figure.fits is None:
         off = got / figure.gib - 1
@@ -96,8 +97,8 @@ def docs_rows() -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for f in FIGURES:
-        ok, _ = check(f)
         plan = plan_figure(f)
+        ok, _ = check(f, plan)
         got = predicted_gib(f, plan)
         if f.fits is None:
             pub = f"{f.gib:g} GB"
