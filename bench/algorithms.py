@@ -182,48 +182,48 @@ def _short_run(row: Row, out: Path, steps: int) -> list[dict]:
     return [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
 
 
-def quiet_costs(row: Row, out: Path, steps: int = 5) -> tuple[float, float]:
+#: the parts of a step the trainer times (``time/<part>_s``): the rest of its wall time is
+#: "other" (the step's bookkeeping: advantages, logging; the optimizer's step is in train)
+PARTS = ("rollout", "reward", "train")
+
+
+def quiet_costs(row: Row, out: Path, steps: int = 5) -> tuple[float, float, dict[str, float]]:
     """(``quiet_step_s``, the CPU time of one sample's rollout and reward in those steps: the
-    step's CPU time x the rollout's and reward's share of its wall time / the samples)."""
+    step's CPU time x the rollout's and reward's share of its wall time / the samples, and the
+    median share of a step's wall time in each of ``PARTS`` and in the rest, "other"; one
+    thread, so wall time ~ CPU time)."""
     rows = _short_run(row, out, steps)
     per_sample = [
         r["time/step_cpu_s"] * (r["time/rollout_s"] + r["time/reward_s"]) / r["time/step_s"]
         / (r["samples"] / r["step"])
         for r in rows
     ]  # fmt: skip
-    return statistics.median(r["time/step_cpu_s"] for r in rows), statistics.median(per_sample)
-
-
-#: the parts of a step the trainer times (``time/<part>_s``): the rest of its wall time is
-#: "other" (the step's bookkeeping: advantages, logging, the optimizer's own step is in train)
-PARTS = ("rollout", "reward", "train")
-
-
-def step_shares(row: Row, out: Path, steps: int = 5) -> dict[str, float]:
-    """The median share of a step's wall time in each of ``PARTS`` and in the rest ("other"),
-    over steps 2..``steps`` of a short quiet run of ``row`` (one thread: wall ~ CPU time)."""
-    rows = _short_run(row, out, steps)
     shares = {
         p: statistics.median(r[f"time/{p}_s"] / r["time/step_s"] for r in rows) for p in PARTS
     }
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-    return shares
+    step_s = statistics.median(r["time/step_cpu_s"] for r in rows)
+    return step_s, statistics.median(per_sample), shares
 
 
-def calibrate(rows: tuple[Row, ...], rounds: int = 2) -> dict[str, float]:
+def calibrate(
+    rows: tuple[Row, ...], rounds: int = 2
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Each row's per-step time on a quiet machine: the least of ``rounds`` rounds over every
     row (rounds interleave the rows, so a burst of other work hits one measurement of each);
-    a refill row also gets ``<key>/sample_s``, the price of one extra sample (that round's)."""
+    a refill row also gets ``<key>/sample_s``, the price of one extra sample (that round's).
+    Second: each row's step split into ``PARTS`` (``quiet_costs``), of the same round."""
     best: dict[str, float] = {}
+    shares: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             for row in rows:
-                t, per_sample = quiet_costs(row, Path(tmp) / f"{row.key}_{i}")
+                t, per_sample, split = quiet_costs(row, Path(tmp) / f"{row.key}_{i}")
                 if t < best.get(row.key, float("inf")):
-                    best[row.key] = t
+                    best[row.key], shares[row.key] = t, split
                     if REFILL in row.overrides:
                         best[f"{row.key}/sample_s"] = per_sample
-    return best
+    return best, shares
 
 
 def with_step_cost(curve: list[dict], step_s: float, sample_s: float = 0.0) -> list[dict]:
@@ -344,7 +344,8 @@ def bench_algorithms(
             ]
             print(f"algorithms: {row.key} done", file=sys.stderr, flush=True)
     rows = tuple(r for r in rows if r.key in runs)
-    return finish(runs, calibrate(rows, rounds=1 if quick else 2), rows, seeds, steps, every)
+    step_s, shares = calibrate(rows, rounds=1 if quick else 2)
+    return {**finish(runs, step_s, rows, seeds, steps, every), "step_shares": shares}
 
 
 def finish(
@@ -444,8 +445,9 @@ def gap_rows(results: dict, target: float = 0.2) -> list[str]:
 
 
 def measure_shares(path: Path = ROOT / "bench" / "results.json") -> dict[str, dict]:
-    """Each stored row's step split (``step_shares``, one quiet short run per row) into
-    ``path``'s results and docs/algorithms.md (``python -m bench.algorithms shares``)."""
+    """Each stored row's step split (``quiet_costs``, one quiet short run per row) into
+    ``path``'s results and docs/algorithms.md, the calibration kept (``python -m
+    bench.algorithms shares``; a full run measures them with its calibration)."""
     import json
 
     results = json.loads(path.read_text())
@@ -454,7 +456,7 @@ def measure_shares(path: Path = ROOT / "bench" / "results.json") -> dict[str, di
     with tempfile.TemporaryDirectory() as tmp:
         for row in ROWS:
             if row.key in algos["runs"]:
-                shares[row.key] = step_shares(row, Path(tmp) / row.key)
+                shares[row.key] = quiet_costs(row, Path(tmp) / row.key)[2]
                 print(f"shares: {row.key} {shares[row.key]}", file=sys.stderr, flush=True)
     algos["step_shares"] = shares
     path.write_text(json.dumps(results, indent=2) + "\n")
@@ -569,4 +571,4 @@ if __name__ == "__main__":  # python -m bench.algorithms [shares]: re-read the s
 
 
 __all__ = ["ALGORITHMS", "ROWS", "Row", "bench_algorithms", "calibrate", "finish", "gap_rows",
-           "measure_shares", "resummarize", "step_shares", "summarize", "write_report"]  # fmt: skip
+           "measure_shares", "quiet_costs", "resummarize", "summarize", "write_report"]  # fmt: skip
