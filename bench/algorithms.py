@@ -445,23 +445,17 @@ def gap_rows(results: dict, target: float = 0.2) -> list[str]:
 
 
 def measure_shares(path: Path = ROOT / "bench" / "results.json") -> dict[str, dict]:
-    """Each stored row's step split (``quiet_costs``, one quiet short run per row) into
-    ``path``'s results and docs/algorithms.md, the calibration kept (``python -m
-    bench.algorithms shares``; a full run measures them with its calibration)."""
+    """Each stored row's step split (one ``calibrate`` round, its times dropped: the stored
+    calibration stays) into ``path``'s results and docs/algorithms.md (``python -m
+    bench.algorithms shares``; a full run measures them with its own calibration)."""
     import json
 
     results = json.loads(path.read_text())
     algos = results["algorithms"]
-    shares = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for row in ROWS:
-            if row.key in algos["runs"]:
-                shares[row.key] = quiet_costs(row, Path(tmp) / row.key)[2]
-                print(f"shares: {row.key} {shares[row.key]}", file=sys.stderr, flush=True)
-    algos["step_shares"] = shares
+    _, algos["step_shares"] = calibrate(tuple(r for r in ROWS if r.key in algos["runs"]), 1)
     path.write_text(json.dumps(results, indent=2) + "\n")
     write_report(algos)
-    return shares
+    return algos["step_shares"]
 
 
 def write_report(results: dict, doc: Path = ROOT / "docs" / "algorithms.md") -> None:

@@ -52,8 +52,8 @@ def error(*overrides: str, command: str = "sample", preset: str = "toy-digits") 
 def test_a_side_off_the_published_rule_is_a_config_error(tmp_path, kind) -> None:
     rule = double(kind).published
     path = model_dir(tmp_path, kind)  # config files only: there is no weight to load
+    bad = 32 * rule.multiple + rule.multiple // 2
     for preset, side in itertools.product(presets(kind), ("height", "width")):
-        bad = 32 * rule.multiple + rule.multiple // 2
         msg = error(f"model.path={path}", f"model.{side}={bad}", preset=preset)
         assert f"'model.{side}' must be a positive multiple of {rule.multiple} for {rule.name}" in (
             msg

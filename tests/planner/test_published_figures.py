@@ -34,9 +34,9 @@ def test_unirls_out_of_memory_without_checkpointing_contradicts_the_measured_act
     assert not figure.check and figure.fits is False
     bench = Path(__file__).resolve().parents[2] / "bench" / "results_cuda.json"
     measured = json.loads(bench.read_text())["activations"]["qwen-image"]
-    points = [  # (tokens: image (size/16)^2 + 128 text, GiB per row)
-        ((size // 16) ** 2 + 128, measured[f"{size}px_no_ckpt"]["fwd_bwd_peak_over_weights_gib"])
-        for size in (512, 1024)
+    points = [  # (tokens: the measured image tokens + bench/gpu_check.py's 128 text, GiB per row)
+        (row["image_tokens"] + 128, row["fwd_bwd_peak_over_weights_gib"])
+        for row in (measured["512px_no_ckpt"], measured["1024px_no_ckpt"])
     ]
     (t0, g0), (t1, g1) = points
     tokens = (384 // 16) ** 2 + 128
